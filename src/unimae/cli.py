@@ -1,0 +1,154 @@
+"""``unimae`` command line: train, embed, generate, check, models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from unimae.config import add_config_arguments, resolve_config
+
+
+def _train(args: argparse.Namespace) -> int:
+    from unimae.trainer import train
+
+    resume = args.resume
+    if resume:
+        saved = Path(getattr(args, "output_dir", "runs/unimae")) / "config.json"
+        if saved.is_file() and not getattr(args, "config", None):
+            args.config = str(saved)  # resume with the run's own config; explicit flags still win
+    config = resolve_config({k: v for k, v in vars(args).items() if k not in ("command", "resume", "func")})
+    result = train(config, resume=resume)
+    state = "interrupted at" if result.interrupted else "finished"
+    print(f"\n{state} step {result.steps}/{config.steps} in {result.seconds:.0f} s")
+    print(f"adapter:    {result.adapter_dir}")
+    print(f"log:        {result.output_dir / 'log.jsonl'}")
+    if result.interrupted:
+        print(f"resume with: unimae train --resume --output-dir {result.output_dir}")
+        return 130
+    return 0
+
+
+def _read_inputs(args: argparse.Namespace) -> list[str]:
+    if args.texts:
+        return args.texts
+    source = open(args.input, encoding="utf-8") if args.input and args.input != "-" else sys.stdin
+    with source:
+        lines = [line.rstrip("\n") for line in source]
+    if args.input and args.input.endswith(".jsonl"):
+        return [json.loads(line)["text"] for line in lines if line.strip()]
+    return lines
+
+
+def _embed(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from unimae.encoder import Encoder
+
+    texts = _read_inputs(args)
+    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, pooling=args.pooling,
+                                      max_length=args.max_length, precision=args.precision)
+    vectors = encoder.encode(texts, batch_size=args.batch_size, normalize=args.normalize)
+    if args.output:
+        np.save(args.output, vectors)
+        print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} float32 embeddings to {args.output}")
+    else:
+        for row in vectors:
+            print(json.dumps([round(float(x), 6) for x in row]))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from unimae.encoder import Encoder
+
+    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, precision=args.precision)
+    if args.no_adapter:
+        with encoder.adapter_disabled():
+            print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+    else:
+        print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from unimae.check import run_check
+
+    result = run_check(args.model, args.adapter, sts=args.sts, max_paragraphs=args.max_paragraphs)
+    print(result.table())
+    for name, text in result.generation.items():
+        print(f"\ngeneration ({name}): {text!r}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"rows": result.rows, "generation": result.generation}, indent=2))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from unimae.models import OFFLINE_MODELS
+
+    for name, entry in OFFLINE_MODELS.items():
+        print(f"{name:22s} {entry.description}  [online: {entry.hub_id}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unimae", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="Train a UniMAE adapter (see --help for every recipe number).",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_arguments(train)
+    train.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in --output-dir.")
+    train.set_defaults(func=_train)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="smollm2-135m", help="Hub id, directory, .gguf or offline short name.")
+        p.add_argument("--adapter", default=None, help="Adapter directory written by `unimae train`.")
+        p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+
+    embed = sub.add_parser("embed", help="Embed texts (arguments, a file, or stdin; one per line).")
+    model_args(embed)
+    embed.add_argument("texts", nargs="*", help="Texts to embed; if none, read --input or stdin.")
+    embed.add_argument("--input", help="A .txt (one text per line) or .jsonl (text field) file; '-' for stdin.")
+    embed.add_argument("--output", help="Write a .npy array instead of printing JSON lines.")
+    embed.add_argument("--pooling", default="eos", choices=("eos", "mean", "echo"))
+    embed.add_argument("--batch-size", type=int, default=32)
+    embed.add_argument("--max-length", type=int, default=512)
+    embed.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings.")
+    embed.set_defaults(func=_embed)
+
+    gen = sub.add_parser("generate", help="Generate text with the same model (and adapter).")
+    model_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
+    gen.add_argument("--no-adapter", action="store_true", help="Generate with the adapter disabled.")
+    gen.set_defaults(func=_generate)
+
+    check = sub.add_parser("check", help="Before/after check: STSB Spearman, held-out retrieval, generation.")
+    model_args(check)
+    check.add_argument("--sts", help="STSBenchmark test.jsonl (default: found in $UNIMAE_DATA or ../shared/data).")
+    check.add_argument("--max-paragraphs", type=int, default=300)
+    check.add_argument("--output", help="Also write the results as JSON.")
+    check.set_defaults(func=_check)
+
+    models = sub.add_parser("models", help="List the offline models that ship on PyPI.")
+    models.set_defaults(func=_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError, ModuleNotFoundError, OSError) as err:
+        print(f"unimae {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

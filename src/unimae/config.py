@@ -1,0 +1,163 @@
+"""Training configuration: one dataclass, every number of the paper recipe a field.
+
+Precedence when resolving a run's configuration (later wins):
+defaults < ``--recipe`` < ``--config FILE`` (JSON or YAML) < explicit command-line flags.
+The resolved configuration is saved as ``config.json`` next to every output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+# Recipes override the defaults (which are the CPU recipe). The paper recipe is App. C of the
+# UniMAE paper: global batch 32, max length 512, 100 steps, LoRA r=16/alpha=32, lr 1e-4 constant.
+RECIPES: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    "paper": {"batch_size": 32, "micro_batch_size": 8, "max_length": 512},
+}
+
+
+@dataclass
+class TrainConfig:
+    """Configuration of a UniMAE training run (Eq. 1-6 of the paper; METHOD.md section 1)."""
+
+    model: str = field(
+        default="smollm2-135m",
+        metadata={"help": "Hugging Face model id, local model directory, .gguf file, or an offline "
+                  "short name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b)."},
+    )
+    data: str = field(
+        default="enwiki-gensim",
+        metadata={"help": "Training text: 'enwiki-gensim' (default corpus), a .txt/.jsonl/.parquet file, "
+                  "or a Hugging Face datasets name (online)."},
+    )
+    output_dir: str = field(default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."})
+    recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
+    method: str = field(default="unimae", metadata={"help": "Training objective."})
+
+    steps: int = field(default=100, metadata={"help": "Optimizer steps (paper: 100)."})
+    batch_size: int = field(default=16, metadata={"help": "Global batch size in texts (paper: 32)."})
+    micro_batch_size: int = field(
+        default=8, metadata={"help": "Texts per forward pass per process; the rest is gradient accumulation."}
+    )
+    max_length: int = field(default=128, metadata={"help": "Max tokens per text, EOS included (paper: 512)."})
+    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate, constant schedule (paper: 1e-4)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (paper: not stated)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0 turns it off."})
+
+    alpha: float = field(default=0.1, metadata={"help": "Weight of L_MAR in L = alpha*L_MAR + L_MRC (Eq. 6)."})
+    p_mar: float = field(default=0.5, metadata={"help": "Share of input tokens replaced by the mask token (Eq. 1)."})
+    p_mrc: float = field(default=0.5, metadata={"help": "Share of token keys hidden from the tiny decoder (Eq. 4)."})
+    mask_token: str = field(
+        default="auto",
+        metadata={"help": "Mask token for MAR: 'auto' = the tokenizer's mask token, else its last special "
+                  "token that is not BOS/EOS/PAD/UNK and not used by the chat template."},
+    )
+
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (paper: 16)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (paper: 32)."})
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "LoRA dropout (paper: not stated; 0 saves ~18% of a CPU step)."}
+    )
+    lora_target_modules: str = field(
+        default="all-linear", metadata={"help": "peft target_modules: attention and MLP projections."}
+    )
+    full_params: bool = field(default=False, metadata={"help": "Train all parameters instead of LoRA."})
+
+    mrc_heads: int = field(default=0, metadata={"help": "Tiny decoder attention heads (0: the LLM's)."})
+    mrc_intermediate_size: int = field(default=0, metadata={"help": "Tiny decoder MLP width (0: the LLM's)."})
+
+    precision: str = field(
+        default="auto", metadata={"help": "'auto' (bf16 autocast where the CPU/GPU supports it), 'bf16' or 'fp32'."}
+    )
+    ce_chunk_size: int = field(
+        default=1024, metadata={"help": "Rows per output-head cross-entropy chunk (no full BxTxV logits)."}
+    )
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations (long texts)."})
+    threads: int = field(default=0, metadata={"help": "torch threads per process (0: torch's default)."})
+
+    seed: int = field(default=0, metadata={"help": "Seed for data order, masks, init."})
+    save_every: int = field(default=25, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
+    merge: bool = field(default=False, metadata={"help": "Also export a merged Hugging Face model directory."})
+
+    @property
+    def trainable_lora(self) -> bool:
+        return not self.full_params
+
+    def validate(self, world_size: int = 1) -> int:
+        """Check the numbers and return the gradient-accumulation steps per process."""
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {sorted(RECIPES)}")
+        for name in ("p_mar", "p_mrc"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if self.max_length < 4:
+            raise ValueError(f"max_length must be at least 4 tokens, got {self.max_length}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        per_step = self.micro_batch_size * world_size
+        if self.batch_size % per_step:
+            raise ValueError(
+                f"batch_size {self.batch_size} is not a multiple of micro_batch_size x processes "
+                f"({self.micro_batch_size} x {world_size}); change --batch-size or --micro-batch-size"
+            )
+        return self.batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML config file; unknown keys are an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(text) or {}
+    else:
+        values = json.loads(text)
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config file {path} has unknown keys {unknown}; known keys: {sorted(known)}")
+    return values
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per TrainConfig field, defaulting to 'not given' so precedence works."""
+    parser.add_argument("--config", help="JSON or YAML file with TrainConfig fields.")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=type(default), default=argparse.SUPPRESS, help=help_text)
+
+
+def resolve_config(args: argparse.Namespace | dict[str, Any]) -> TrainConfig:
+    """Resolve defaults < recipe < config file < explicit flags into one TrainConfig."""
+    given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    known = {f.name for f in fields(TrainConfig)}
+    from_file = load_config_file(given["config"]) if given.get("config") else {}
+    recipe = given.get("recipe", from_file.get("recipe", "cpu"))
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    values: dict[str, Any] = {**RECIPES[recipe], **from_file}
+    values.update({k: v for k, v in given.items() if k in known})
+    values["recipe"] = recipe
+    return TrainConfig(**values)

@@ -1,0 +1,52 @@
+"""Output-head cross-entropy computed in row chunks, so B x T x V logits never exist at once.
+
+Each chunk's logits are recomputed in the backward pass (activation checkpointing), so the peak
+memory is one chunk of logits, not the whole batch's: at 262k vocabulary and 2k rows that is
+the difference between ~2 GB and ~0.5 GB per chunk of 512 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)  # (n, V)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits.float(), targets, reduction="none")  # (n,)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_size: int = 1024, bias: torch.Tensor | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """Per-row CE of ``softcap(hidden @ weight.T + bias)`` against ``targets``.
+
+    hidden: (N, D); weight: (V, D); targets: (N,) -> (N,) float32 losses.
+    """
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            pieces.append(checkpoint(_chunk_loss, hidden[rows], weight, bias, targets[rows], softcap,
+                                     use_reentrant=False))
+        else:
+            pieces.append(_chunk_loss(hidden[rows], weight, bias, targets[rows], softcap))
+    return torch.cat(pieces)  # (N,)
+
+
+def per_example_mean(token_losses: torch.Tensor, example_ids: torch.Tensor, num_examples: int) -> torch.Tensor:
+    """Mean over examples of each example's mean token loss.
+
+    Normalizing per example makes the loss of a global batch independent of how it is split into
+    micro-batches and processes. token_losses, example_ids: (N,) -> scalar.
+    """
+    sums = torch.zeros(num_examples, dtype=token_losses.dtype, device=token_losses.device)
+    sums = sums.index_add(0, example_ids, token_losses)  # (B,)
+    counts = torch.bincount(example_ids, minlength=num_examples).clamp(min=1)  # (B,)
+    return (sums / counts).mean()

@@ -1,0 +1,34 @@
+"""Masked Auto-Regressive loss (UniMAE Eq. 1): causal-LM cross-entropy of the ORIGINAL next tokens
+given the MAR-corrupted prefix, ``L_MAR = sum_t CE(x_t | x~_<t)``, averaged per example."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unimae.losses.cross_entropy import chunked_cross_entropy, per_example_mean
+
+
+class MARLoss(nn.Module):
+    """Next-token CE through the LLM's own (chunked) output head.
+
+    Inputs: hidden (B, T, D) last-layer states of the corrupted input; input_ids (B, T) the
+    original tokens; attention_mask (B, T); output_head the LLM's nn.Linear head (not owned
+    here). Output: scalar.
+    """
+
+    def __init__(self, chunk_size: int = 1024, softcap: float | None = None):
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.softcap = softcap
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                output_head: nn.Module) -> torch.Tensor:
+        batch = hidden.shape[0]
+        has_target = attention_mask[:, 1:].bool()  # (B, T-1) position t predicts token t+1
+        rows = hidden[:, :-1][has_target]  # (n, D)
+        targets = input_ids[:, 1:][has_target]  # (n,)
+        example = torch.arange(batch, device=hidden.device)[:, None].expand_as(has_target)[has_target]  # (n,)
+        losses = chunked_cross_entropy(rows, output_head.weight, targets, self.chunk_size,
+                                       output_head.bias, self.softcap)
+        return per_example_mean(losses, example, batch)

@@ -1,0 +1,59 @@
+"""The UniMAE joint objective (Eq. 6): ``L = alpha * L_MAR + L_MRC`` from ONE forward pass.
+
+The LLM runs once over the MAR-corrupted input; its last-layer states give the MAR logits
+(Eq. 1) and ``h_eos``, the state at the appended EOS (Eq. 2), which feeds the MRC tiny decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unimae.losses.mar import MARLoss
+from unimae.losses.mrc import MRCLoss, TinyDecoder
+from unimae.masking import UniMAEBatch
+from unimae.tokenization import last_token_index
+
+
+def decoder_heads(config) -> int:
+    """Attention heads for the tiny decoder: the LLM's count if it divides the width, else 1."""
+    heads = getattr(config, "num_attention_heads", 1)
+    return heads if config.hidden_size % heads == 0 else 1
+
+
+class UniMAEObjective(nn.Module):
+    """Holds the (LoRA-wrapped) LLM and the MRC loss, so DDP/FSDP wrap one module.
+
+    forward(batch) -> {"loss", "mar", "mrc"} scalars.
+    """
+
+    def __init__(self, llm: nn.Module, alpha: float, max_positions: int, chunk_size: int = 1024,
+                 mrc_heads: int = 0, mrc_intermediate_size: int = 0):
+        super().__init__()
+        self.llm = llm
+        config = llm.config
+        self.alpha = alpha
+        softcap = getattr(config, "final_logit_softcapping", None)
+        self.mar = MARLoss(chunk_size, softcap)
+        decoder = TinyDecoder(
+            hidden_size=config.hidden_size,
+            num_heads=mrc_heads or decoder_heads(config),
+            intermediate_size=mrc_intermediate_size or getattr(config, "intermediate_size", 4 * config.hidden_size),
+            max_positions=max_positions,
+            eps=getattr(config, "rms_norm_eps", 1e-6),
+        )
+        self.mrc = MRCLoss(decoder, chunk_size, softcap)
+
+    def forward(self, batch: UniMAEBatch) -> dict[str, torch.Tensor]:
+        position_ids = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
+        hidden = self.llm.get_decoder()(
+            input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (B, T, D) one pass: MAR logits and h_eos
+        head = self.llm.get_output_embeddings()
+        mar = self.mar(hidden, batch.input_ids, batch.attention_mask, head)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        h_eos = hidden[rows, last_token_index(batch.attention_mask)]  # (B, D) Eq. 2
+        mrc = self.mrc(h_eos, batch.input_ids, batch.attention_mask, batch.mrc_visible,
+                       self.llm.get_input_embeddings(), head)
+        return {"loss": self.alpha * mar + mrc, "mar": mar.detach(), "mrc": mrc.detach()}

@@ -1,0 +1,90 @@
+"""The two random masks of UniMAE, built as explicit tensors, and the training collator.
+
+- MAR corruption (Eq. 1): every position except BOS and the final EOS is replaced by the mask
+  token with probability ``p_mar``; pads are never touched.
+- MRC key visibility (Eq. 4): query i (predicting x_i) always sees key 0 (``h_eos``); it sees
+  token key j >= 1 only if j != i, key j is not a pad and B_ij = 1 with B_ij ~ Bernoulli(1 - p_mrc).
+
+Randomness is drawn per example from a generator seeded by (seed, example index), so a batch's
+masks do not depend on how examples are split across processes or micro-batches, and resuming a
+run reproduces them exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from unimae.tokenization import pad_batch
+
+
+def example_generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator that depends only on (seed, global example index)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
+
+
+def mar_corrupt(ids: Sequence[int], p_mar: float, mask_id: int, has_bos: bool, gen: torch.Generator) -> list[int]:
+    """Eq. 1 input corruption of one text (EOS last). BOS (if present) and EOS are never masked."""
+    ids_t = torch.tensor(ids, dtype=torch.long)  # (N,)
+    replace = torch.rand(len(ids), generator=gen) < p_mar  # (N,)
+    replace[-1] = False  # the appended EOS
+    if has_bos:
+        replace[0] = False
+    return torch.where(replace, torch.full_like(ids_t, mask_id), ids_t).tolist()
+
+
+def mrc_visibility(n_tokens: int, width: int, p_mrc: float, gen: torch.Generator) -> torch.Tensor:
+    """Eq. 4 key-visibility of one text: (width, width + 1) bool, True = query may attend the key.
+
+    Column 0 is ``h_eos`` (always visible); column j >= 1 is token j - 1. Keys beyond
+    ``n_tokens`` are pads and hidden. The diagonal (query i, key i + 1) is always hidden.
+    """
+    n = n_tokens
+    keep = torch.zeros(width, width, dtype=torch.bool)  # (W, W) pad keys stay hidden
+    keep[:n, :n] = torch.rand(n, n, generator=gen) >= p_mrc  # B_ij ~ Bernoulli(1 - p_mrc), drawn per text
+    keep &= ~torch.eye(width, dtype=torch.bool)  # a query never sees its own token
+    return torch.cat([torch.ones(width, 1, dtype=torch.bool), keep], dim=1)  # (W, W + 1)
+
+
+@dataclass
+class UniMAEBatch:
+    """One micro-batch; all tensors right-padded to width T."""
+
+    input_ids: torch.Tensor  # (B, T) original tokens, EOS last
+    corrupted_ids: torch.Tensor  # (B, T) MAR-corrupted inputs
+    attention_mask: torch.Tensor  # (B, T) 1 = real token
+    mrc_visible: torch.Tensor  # (B, T, T + 1) bool key visibility for the tiny decoder
+
+    def to(self, device: torch.device | str) -> UniMAEBatch:
+        return UniMAEBatch(*(t.to(device) for t in (self.input_ids, self.corrupted_ids,
+                                                   self.attention_mask, self.mrc_visible)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+@dataclass
+class UniMAECollator:
+    """Build a UniMAEBatch from tokenized texts (lists of ids ending with EOS) and their indices."""
+
+    pad_id: int
+    mask_id: int
+    bos_id: int | None
+    p_mar: float
+    p_mrc: float
+    seed: int
+
+    def __call__(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> UniMAEBatch:
+        width = max(len(s) for s in sequences)
+        corrupted, visible = [], []
+        for ids, index in zip(sequences, indices):
+            gen = example_generator(self.seed, index)
+            has_bos = self.bos_id is not None and len(ids) > 1 and ids[0] == self.bos_id
+            corrupted.append(mar_corrupt(ids, self.p_mar, self.mask_id, has_bos, gen))
+            visible.append(mrc_visibility(len(ids), width, self.p_mrc, gen))
+        input_ids, attention_mask = pad_batch(sequences, self.pad_id, "right")
+        corrupted_ids, _ = pad_batch(corrupted, self.pad_id, "right")
+        return UniMAEBatch(input_ids, corrupted_ids, attention_mask, torch.stack(visible))

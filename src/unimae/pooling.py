@@ -1,0 +1,84 @@
+"""Sentence poolings, each a registered rule: how to build the input and which positions to average.
+
+Every pooling is a weighted mean of last-layer states under a per-token *pool mask* that is padded
+exactly like the input, so it is correct for left and right padding alike:
+- ``eos``: EOS appended after truncation; the mask selects that last token (``h_eos``, UniMAE Eq. 2).
+- ``mean``: all tokens of the text as the tokenizer makes them (paper row MEAN).
+- ``echo``: the text twice; the mask selects the second copy (Springer et al. 2024). Plain
+  repetition by default, as in the UniMAE paper; ``echo_template`` wraps it in Echo's prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from unimae.tokenization import encode_with_eos
+
+ECHO_PROMPT = ("Rewrite the sentence: ", ", rewritten sentence: ")
+
+
+@dataclass
+class PooledInput:
+    """One text, tokenized for a pooling: ids and a same-length 0/1 pool mask."""
+
+    ids: list[int]
+    pool: list[int]
+
+
+Builder = Callable[..., list[PooledInput]]
+POOLINGS: dict[str, Builder] = {}
+
+
+def register_pooling(name: str) -> Callable[[Builder], Builder]:
+    def add(fn: Builder) -> Builder:
+        POOLINGS[name] = fn
+        return fn
+
+    return add
+
+
+def build_inputs(pooling: str, tokenizer, texts: Sequence[str], max_length: int, **options) -> list[PooledInput]:
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; choose one of {sorted(POOLINGS)}")
+    return POOLINGS[pooling](tokenizer, texts, max_length, **options)
+
+
+@register_pooling("eos")
+def _eos(tokenizer, texts, max_length, **_) -> list[PooledInput]:
+    return [PooledInput(ids, [0] * (len(ids) - 1) + [1]) for ids in encode_with_eos(tokenizer, texts, max_length)]
+
+
+@register_pooling("mean")
+def _mean(tokenizer, texts, max_length, **_) -> list[PooledInput]:
+    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+    out = []
+    for ids in encoded:
+        ids = ids or [tokenizer.eos_token_id]  # an empty text still gets one state to average
+        out.append(PooledInput(ids, [1] * len(ids)))
+    return out
+
+
+@register_pooling("echo")
+def _echo(tokenizer, texts, max_length, echo_template: bool = False, **_) -> list[PooledInput]:
+    with_special = tokenizer("x", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    prefix = with_special[: with_special.index(plain[0])] if plain[0] in with_special else []  # BOS, if any
+    before, between = ECHO_PROMPT if echo_template else ("", "")
+    before_ids = tokenizer(before, add_special_tokens=False)["input_ids"] if before else []
+    between_ids = tokenizer(between, add_special_tokens=False)["input_ids"] if between else []
+    budget = max(1, (max_length - len(prefix) - len(before_ids) - len(between_ids)) // 2)
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:budget] or [tokenizer.eos_token_id]
+        first = prefix + before_ids + ids + between_ids
+        out.append(PooledInput(first + ids, [0] * len(first) + [1] * len(ids)))
+    return out
+
+
+def pool(hidden: torch.Tensor, pool_mask: torch.Tensor) -> torch.Tensor:
+    """Weighted mean: hidden (B, T, D), pool_mask (B, T) -> (B, D) float32."""
+    weights = pool_mask.to(torch.float32).unsqueeze(-1)  # (B, T, 1)
+    return (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1.0)

@@ -1,0 +1,106 @@
+"""Tokenize texts the UniMAE way: BOS as the tokenizer does it, truncate, then append EOS ourselves.
+
+The EOS token is always present (METHOD.md section 1), whatever the tokenizer's own
+``add_eos_token`` habit, so that ``h_eos`` has a fixed place to live.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class TextTooLongWarning(UserWarning):
+    """Texts were truncated to ``max_length`` tokens."""
+
+
+def encode_with_eos(tokenizer, texts: Sequence[str], max_length: int, warn: bool = True) -> list[list[int]]:
+    """Token ids per text: tokenizer ids (BOS as it adds it) truncated to max_length - 1, plus EOS.
+
+    ``warn``: emit a TextTooLongWarning (once per max_length) when a text is truncated; training
+    turns it off since truncating long paragraphs is the recipe.
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 (one token and EOS), got {max_length}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"text {i} is a {type(text).__name__}, not a str")
+    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    out, truncated = [], 0
+    for ids in encoded:
+        if ids and ids[-1] == eos:  # the tokenizer appended EOS itself; we add it exactly once
+            ids = ids[:-1]
+        if len(ids) > max_length - 1:
+            ids = ids[: max_length - 1]
+            truncated += 1
+        out.append(ids + [eos])
+    if truncated and warn:
+        warnings.warn(
+            f"texts longer than max_length={max_length} tokens were truncated (EOS is kept at the end)",
+            TextTooLongWarning, stacklevel=2,
+        )
+    return out
+
+
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad to (B, T) ``input_ids`` and ``attention_mask`` on the given side."""
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)  # (B, T)
+    for i, seq in enumerate(sequences):
+        span = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
+        ids[i, span] = torch.tensor(seq, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counted over real tokens only, so left padding does not shift RoPE."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of the last real token, correct for left and right padding."""
+    width = attention_mask.shape[-1]
+    return width - 1 - attention_mask.flip(-1).long().argmax(-1)
+
+
+def choose_mask_token(tokenizer, requested: str = "auto") -> tuple[str, int]:
+    """Pick the MAR mask token: (token string, id). Never BOS, EOS, PAD or UNK.
+
+    'auto' takes the tokenizer's own mask token if it has one, else the special token with the
+    highest id that is not BOS/EOS/PAD/UNK and does not appear in the chat template: a token
+    that plain text never contains. A tokenizer with none needs ``mask_token`` set explicitly.
+    """
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    if requested != "auto":
+        token_id = tokenizer.convert_tokens_to_ids(requested)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"mask token {requested!r} is not in the tokenizer's vocabulary")
+        if token_id in reserved:
+            raise ValueError(f"mask token {requested!r} is the tokenizer's BOS/EOS/PAD/UNK; choose another")
+        return requested, token_id
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id not in reserved:
+        return tokenizer.mask_token, tokenizer.mask_token_id
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else " ".join(template.values())
+    candidates = [
+        (token_id, added.content)
+        for token_id, added in tokenizer.added_tokens_decoder.items()
+        if added.special and token_id not in reserved and added.content not in template
+    ]
+    if not candidates:
+        raise ValueError(
+            "the tokenizer has no spare special token to use as the MAR mask token; pass mask_token= "
+            "with a token string from its vocabulary"
+        )
+    token_id, content = max(candidates)
+    return content, token_id

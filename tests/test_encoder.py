@@ -1,0 +1,74 @@
+"""Embedding invariances and adapter-off generation."""
+
+import numpy as np
+import pytest
+import torch
+
+from unimae.encoder import Encoder
+from unimae.models import load_model
+from unimae.tokenization import encode_with_eos, last_token_index, pad_batch
+
+from conftest import SENTENCES
+
+TEXTS = SENTENCES[:7] + ["", "   ", "short", "the"]
+
+
+def _cos(a, b):
+    a = a / np.linalg.norm(a, axis=-1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=-1, keepdims=True)
+    return (a * b).sum(-1)
+
+
+def test_last_token_index_both_sides():
+    _, right = pad_batch([[5, 6, 7], [5]], 0, "right")
+    _, left = pad_batch([[5, 6, 7], [5]], 0, "left")
+    assert last_token_index(right).tolist() == [2, 0]
+    assert last_token_index(left).tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("pooling", ["eos", "mean", "echo"])
+def test_embeddings_invariant_to_batching_and_padding_side(tiny_dir, pooling):
+    model, tokenizer, _ = load_model(str(tiny_dir))
+    enc = Encoder(model, tokenizer, pooling=pooling, precision="fp32", device="cpu")
+    reference = np.stack([enc.encode([t])[0] for t in TEXTS])  # one text per batch: no padding at all
+    for batch_size in (2, 5, len(TEXTS)):
+        for side in ("left", "right"):
+            enc.padding_side = side
+            got = enc.encode(TEXTS, batch_size=batch_size)
+            assert got.dtype == np.float32 and got.shape == (len(TEXTS), model.config.hidden_size)
+            assert _cos(got, reference).min() >= 0.9999, (batch_size, side)
+    shuffled = enc.encode(TEXTS[::-1], batch_size=3)[::-1]
+    assert _cos(shuffled, reference).min() >= 0.9999
+
+
+def test_eos_is_appended_after_truncation(tiny_dir):
+    _, tokenizer, _ = load_model(str(tiny_dir))
+    with pytest.warns(UserWarning, match="truncated"):
+        ids = encode_with_eos(tokenizer, [" ".join(SENTENCES)], max_length=8)[0]
+    assert len(ids) == 8 and ids[-1] == tokenizer.eos_token_id
+    assert encode_with_eos(tokenizer, [""], 8)[0][-1] == tokenizer.eos_token_id
+
+
+def test_normalize_and_single_string(tiny_dir):
+    model, tokenizer, _ = load_model(str(tiny_dir))
+    enc = Encoder(model, tokenizer, precision="fp32", device="cpu")
+    vec = enc.encode("the cat", normalize=True)
+    assert vec.shape == (model.config.hidden_size,)
+    assert abs(np.linalg.norm(vec) - 1) < 1e-5
+    assert enc.encode([]).shape == (0, model.config.hidden_size)
+
+
+def test_generation_with_adapter_disabled_equals_base(tiny_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer, _ = load_model(str(tiny_dir))
+    base_text = Encoder(base, tokenizer, precision="fp32", device="cpu").generate("the cat", max_new_tokens=8)
+    model, _, _ = load_model(str(tiny_dir))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    enc = Encoder(peft_model, tokenizer, precision="fp32", device="cpu")
+    with torch.no_grad():
+        adapted = enc.generate("the cat", max_new_tokens=8)
+    with enc.adapter_disabled():
+        disabled = enc.generate("the cat", max_new_tokens=8)
+    assert disabled == base_text
+    assert adapted != base_text, "a random non-zero adapter should change greedy output"

@@ -1,0 +1,57 @@
+"""Loss shapes, chunking and the gradient path of L_MRC."""
+
+import pytest
+import torch
+
+from unimae.losses import MRCLoss, TinyDecoder, chunked_cross_entropy, per_example_mean
+from unimae.masking import UniMAECollator
+
+
+def test_chunked_ce_equals_full_ce_values_and_grads():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_size=8)
+    full = torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction="none")
+    assert chunked.shape == (37,)
+    torch.testing.assert_close(chunked, full)
+    g1 = torch.autograd.grad(chunked.sum(), (hidden, weight))
+    g2 = torch.autograd.grad(full.sum(), (hidden, weight))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+def test_per_example_mean_weights_examples_equally():
+    losses = torch.tensor([1.0, 1.0, 1.0, 4.0])
+    example = torch.tensor([0, 0, 0, 1])
+    assert per_example_mean(losses, example, 2).item() == pytest.approx(2.5)
+
+
+def test_tiny_decoder_shapes_and_no_self_copy():
+    dec = TinyDecoder(hidden_size=32, num_heads=4, intermediate_size=64, max_positions=16)
+    h_eos = torch.randn(3, 32)
+    tokens = torch.randn(3, 10, 32)
+    visible = torch.ones(3, 10, 11, dtype=torch.bool)
+    assert dec(h_eos, tokens, visible).shape == (3, 10, 32)
+    only_eos = torch.zeros(3, 10, 11, dtype=torch.bool)
+    only_eos[:, :, 0] = True
+    out1 = dec(h_eos, tokens, only_eos)
+    out2 = dec(h_eos, torch.randn(3, 10, 32), only_eos)
+    torch.testing.assert_close(out1, out2)  # with only h_eos visible, token keys must not matter
+
+
+def test_mrc_gradient_reaches_llm_only_through_h_eos():
+    torch.manual_seed(0)
+    vocab, dim = 30, 16
+    embed = torch.nn.Embedding(vocab, dim)
+    head = torch.nn.Linear(dim, vocab, bias=False)
+    loss_fn = MRCLoss(TinyDecoder(dim, 2, 32, 8), chunk_size=4)
+    collate = UniMAECollator(pad_id=0, mask_id=29, bos_id=None, p_mar=0.5, p_mrc=0.5, seed=0)
+    batch = collate([[3, 4, 5, 2], [6, 7, 2]], [0, 1])
+    h_eos = torch.randn(2, dim, requires_grad=True)
+    loss = loss_fn(h_eos, batch.input_ids, batch.attention_mask, batch.mrc_visible, embed, head)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert h_eos.grad is not None and h_eos.grad.abs().sum() > 0
+    assert embed.weight.grad is None and head.weight.grad is None

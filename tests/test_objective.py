@@ -1,0 +1,57 @@
+"""The UniMAE objective on tiny random Llama / Gemma3 / Qwen2 models."""
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from unimae.losses import UniMAEObjective
+from unimae.masking import UniMAECollator
+from unimae.models import load_model
+from unimae.tokenization import choose_mask_token, encode_with_eos
+
+from conftest import SENTENCES
+
+
+def _objective(tiny_dir, alpha=0.1):
+    model, tokenizer, _ = load_model(str(tiny_dir))
+    llm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    _, mask_id = choose_mask_token(tokenizer)
+    collate = UniMAECollator(tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id, 0.5, 0.5, seed=0)
+    return UniMAEObjective(llm, alpha, max_positions=32, chunk_size=16), tokenizer, collate
+
+
+def test_joint_loss_is_alpha_mar_plus_mrc(tiny_dir):
+    objective, tokenizer, collate = _objective(tiny_dir, alpha=0.1)
+    batch = collate(encode_with_eos(tokenizer, SENTENCES[:4], 32), [0, 1, 2, 3])
+    out = objective(batch)
+    assert set(out) == {"loss", "mar", "mrc"}
+    assert all(v.ndim == 0 and torch.isfinite(v) for v in out.values())
+    torch.testing.assert_close(out["loss"].detach(), 0.1 * out["mar"] + out["mrc"])
+
+
+def test_lora_and_decoder_get_gradients_base_does_not(tiny_dir):
+    objective, tokenizer, collate = _objective(tiny_dir)
+    batch = collate(encode_with_eos(tokenizer, SENTENCES[:2], 32), [0, 1])
+    objective(batch)["loss"].backward()
+    named = dict(objective.named_parameters())
+    lora = [n for n in named if "lora_" in n]
+    assert lora and all(named[n].grad is not None for n in lora)
+    assert all(p.grad is not None for p in objective.mrc.decoder.parameters())
+    frozen = [p for n, p in named.items() if "lora_" not in n and not n.startswith("mrc.")]
+    assert all(p.grad is None for p in frozen)
+
+
+def test_loss_decreases_when_overfitting(tiny_dir):
+    torch.manual_seed(0)
+    objective, tokenizer, collate = _objective(tiny_dir, alpha=1.0)
+    batch = collate(encode_with_eos(tokenizer, SENTENCES[:4], 32), [0, 1, 2, 3])
+    params = [p for p in objective.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    first = None
+    for _ in range(40):
+        out = objective(batch)
+        first = first if first is not None else {k: v.item() for k, v in out.items()}
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    assert out["loss"].item() < 0.9 * first["loss"]
+    assert out["mar"].item() < first["mar"] and out["mrc"].item() < first["mrc"]

@@ -1,0 +1,102 @@
+"""Training runs, checkpoints, resume, Ctrl-C and bad input on tiny random models."""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from unimae.checkpoint import CheckpointError, checkpoint_dir
+from unimae.config import TrainConfig
+from unimae.encoder import Encoder
+from unimae.trainer import train
+
+
+def _config(tiny_dir, corpus_file, out, **overrides):
+    values = dict(model=str(tiny_dir), data=str(corpus_file), output_dir=str(out), steps=4, batch_size=4,
+                  micro_batch_size=2, max_length=24, save_every=2, precision="fp32", lora_r=4, lora_alpha=8)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_adapter_config_log_and_checkpoints(tiny_dir, corpus_file, tmp_path):
+    result = train(_config(tiny_dir, corpus_file, tmp_path / "run"))
+    out = tmp_path / "run"
+    assert result.steps == 4 and not result.interrupted
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "unimae.json").is_file()
+    assert json.loads((out / "config.json").read_text())["steps"] == 4
+    log = _log(out)
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert all({"loss", "mar", "mrc", "tokens_per_s", "grad_norm"} <= set(r) for r in log)
+    assert sorted(p.name for p in checkpoint_dir(out).iterdir()) == ["step-000002", "step-000004"]
+    emb = Encoder.from_pretrained(str(tiny_dir), adapter=str(result.adapter_dir), precision="fp32").encode(["x"])
+    assert emb.shape[0] == 1 and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_resume_continues_the_same_loss_curve(tiny_dir, corpus_file, tmp_path):
+    train(_config(tiny_dir, corpus_file, tmp_path / "straight", lora_dropout=0.1))
+    train(_config(tiny_dir, corpus_file, tmp_path / "resumed", steps=2, lora_dropout=0.1))
+    train(_config(tiny_dir, corpus_file, tmp_path / "resumed", steps=4, lora_dropout=0.1), resume=True)
+    straight, resumed = _log(tmp_path / "straight"), _log(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), a["step"]
+
+
+def test_corrupt_checkpoint_falls_back_to_older(tiny_dir, corpus_file, tmp_path):
+    out = tmp_path / "run"
+    train(_config(tiny_dir, corpus_file, out, steps=4))
+    (checkpoint_dir(out) / "step-000004" / "state.pt").write_bytes(b"garbage")
+    result = train(_config(tiny_dir, corpus_file, out, steps=5), resume=True)
+    assert result.steps == 5
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tiny_dir, corpus_file, tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train(_config(tiny_dir, corpus_file, tmp_path / "empty"), resume=True)
+
+
+def test_sigint_saves_a_checkpoint_and_stops(tiny_dir, corpus_file, tmp_path):
+    out = tmp_path / "run"
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        result = train(_config(tiny_dir, corpus_file, out, steps=100000, save_every=0))
+    finally:
+        timer.cancel()
+    assert result.interrupted and 0 < result.steps < 100000
+    assert (checkpoint_dir(out) / f"step-{result.steps:06d}" / "state.pt").is_file()
+    assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_bad_batch_split_and_empty_corpus_are_clear_errors(tiny_dir, corpus_file, tmp_path):
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size"):
+        train(_config(tiny_dir, corpus_file, tmp_path / "a", batch_size=5))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n   \n\n")
+    with pytest.raises(ValueError, match="empty"):
+        train(_config(tiny_dir, empty, tmp_path / "b"))
+
+
+def test_adapter_on_another_base_model_is_refused(tiny_model_dirs, corpus_file, tmp_path):
+    result = train(_config(tiny_model_dirs["llama"], corpus_file, tmp_path / "run", steps=1))
+    with pytest.raises(ValueError, match="trained on base model"):
+        Encoder.from_pretrained(str(tiny_model_dirs["gemma3"]), adapter=str(result.adapter_dir))
+
+
+def test_merge_exports_plain_model_with_same_embeddings(tiny_model_dirs, corpus_file, tmp_path):
+    tiny = tiny_model_dirs["llama"]
+    result = train(_config(tiny, corpus_file, tmp_path / "run", steps=2, merge=True))
+    merged = tmp_path / "run" / "merged"
+    assert (merged / "config.json").is_file() and not (merged / "adapter_config.json").exists()
+    a = Encoder.from_pretrained(str(tiny), adapter=str(result.adapter_dir), precision="fp32").encode(["a cat"])
+    b = Encoder.from_pretrained(str(merged), precision="fp32").encode(["a cat"])
+    torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-4)
