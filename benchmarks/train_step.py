@@ -1,14 +1,25 @@
-"""Training-step benchmark of the default CPU recipe: seconds/step, tokens/s, peak RSS, FLOP/s.
+"""Training-step benchmark of the real trainer: seconds/step, tokens/s, peak RSS, FLOP/s.
 
-Each model runs in its own (spawned) process, so peak RSS is per model. The process builds what
-``unimae.trainer.train`` builds (``load_model``, the trainer's ``_build_llm`` LoRA wrapping,
-``UniMAEObjective``, AdamW, ``UniMAECollator`` over ``encode_with_eos`` of the trainer's data
-order) and runs ``--warmup`` untimed plus ``--steps`` timed optimizer steps of the same shape as
-the trainer's: gradient accumulation over micro-batches under the resolved autocast precision,
-gradient clipping, ``optimizer.step``. Accelerate and logging are left out (single process).
+For each model, a fresh (spawned) process calls ``unimae.trainer.train`` with
+``TrainConfig(model=..., output_dir=<temporary directory>, steps=warmup + steps, save_every=0)``
+plus the ``--batch-size/--micro-batch-size/--max-length/--precision/--threads`` overrides (every
+other field is the ``TrainConfig`` default, i.e. the CPU recipe on ``enwiki-gensim``). Nothing of
+the training loop is re-implemented here: the numbers come from the run's own ``log.jsonl`` (one
+record per optimizer step: ``step, loss, mar, mrc, grad_norm, lr, tokens, seconds, tokens_per_s,
+elapsed``) and ``run.json`` (``resolved_precision``, ``world_size``, ...). The first ``--warmup``
+steps are dropped; seconds/step (mean, min) and tokens/s use the remaining records' ``seconds``
+and ``tokens`` (real, non-pad tokens). Only the per-step ``seconds`` are timed, so the model load
+before the loop and the final checkpoint and adapter save after it (``train`` always does both)
+are excluded; they are reported separately as ``setup_seconds`` and ``finish_seconds``. Peak RSS
+is ``ru_maxrss`` of that process read after ``train`` returns (the process does nothing else
+before), so it is per model; psutil's current RSS at that point is added when psutil is installed.
+
+The FLOP formula's dimensions come from the run itself: the final checkpoint's trainable weights
+(P_lora: the ``lora_`` tensors; I: the tiny decoder's ``gate_proj``) and the base model's config,
+instantiated on the meta device (no weights) to count P_lin.
 
 FLOPs per step (model FLOPs, MFU convention: real tokens only, no padding; one multiply-add = 2).
-Per micro-batch with real lengths n_i, N = sum_i n_i tokens, width D, vocabulary V:
+For a batch of examples with real lengths n_i, N = sum_i n_i tokens, width D, vocabulary V:
 
 - LLM forward: ``2 * P_lin * N + 2 * P_lora * N + L * 4 * H * d_head * sum_i n_i (n_i + 1) / 2``.
   P_lin = weights of the decoder's nn.Linear layers (attention and MLP projections; embeddings,
@@ -30,6 +41,13 @@ Per micro-batch with real lengths n_i, N = sum_i n_i tokens, width D, vocabulary
   backward 2x forward.
 - Softmax, norms, activations, AdamW and clipping are elementwise and not counted.
 
+Every term is a sum over examples, so a step's FLOPs are those of its whole global batch
+(``batch_size`` examples, however it is split into micro-batches). APPROXIMATION: the log gives
+only each step's total real tokens N (``tokens``), not the per-example lengths. The terms linear
+in n_i are exact (they depend on N and the example count only); the quadratic ones (attention's
+causal triangle and the tiny decoder's ``n (n + 1)`` term) use every example at the average
+length ``N / batch_size``, which undercounts them when lengths vary (sum n_i^2 >= N^2 / B).
+
 Peak FLOP/s of the CPU (an upper bound, printed with its derivation): physical cores (lscpu
 cores/socket x sockets, else ``os.cpu_count()``) x clock (``cpu MHz`` of /proc/cpuinfo, else lscpu
 BogoMIPS / 2) x FLOP/cycle/core:
@@ -43,12 +61,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import platform
 import resource
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -59,7 +77,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 @dataclass
 class Shape:
-    """The dimensions the FLOP formula needs, read from the model before and after LoRA."""
+    """The dimensions the FLOP formula needs, read from the run's checkpoint and base-model config."""
 
     linear_params: int  # P_lin
     lora_params: int  # P_lora
@@ -73,7 +91,7 @@ class Shape:
 
 @dataclass
 class Flops:
-    """FLOP counts by component, summed over micro-batches."""
+    """FLOP counts by component, summed over steps."""
 
     parts: dict[str, float] = field(default_factory=dict)
 
@@ -85,8 +103,11 @@ class Flops:
         return sum(v for k, v in self.parts.items() if k != "ce_recompute")
 
 
-def micro_batch_flops(shape: Shape, lengths: list[int], flops: Flops) -> None:
-    """Add the FLOPs of one micro-batch of real lengths ``lengths`` (formula in the module docstring)."""
+def batch_flops(shape: Shape, lengths: list[float], flops: Flops) -> None:
+    """Add the FLOPs of a batch of examples of real lengths ``lengths`` (formula in the module docstring).
+
+    Every term is a sum over examples, so this is one micro-batch or a whole step alike.
+    """
     n_tok = sum(lengths)
     causal_pairs = sum(n * (n + 1) / 2 for n in lengths)
     attn = shape.layers * 4 * shape.heads * shape.head_dim * causal_pairs
@@ -107,24 +128,50 @@ def micro_batch_flops(shape: Shape, lengths: list[int], flops: Flops) -> None:
     flops.add("tiny_decoder_bwd", 2 * tiny)
 
 
-def model_shape(p_lin: int, llm, objective) -> Shape:
-    """The FLOP formula's dimensions: P_lin (counted before LoRA), P_lora, attention and heads."""
-    config = llm.config
-    heads = config.num_attention_heads
-    return Shape(
-        linear_params=p_lin, lora_params=sum(p.numel() for n, p in llm.named_parameters() if "lora_" in n),
-        layers=config.num_hidden_layers, heads=heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        hidden=config.hidden_size, vocab=llm.get_output_embeddings().weight.shape[0],
-        tiny_intermediate=objective.mrc.decoder.gate_proj.out_features,
-    )
+def step_flops(shape: Shape, tokens: int, batch_size: int, flops: Flops) -> None:
+    """Add one logged step's FLOPs: ``batch_size`` examples at the average length (docstring)."""
+    batch_flops(shape, [tokens / batch_size] * batch_size, flops)
 
 
 def linear_params(model) -> int:
-    """Weights of the decoder's nn.Linear layers; call before LoRA wraps them."""
+    """Weights of the decoder's nn.Linear layers (of the base model, without LoRA)."""
     import torch
 
     return sum(m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
+
+
+def run_shape(output_dir: Path, model_path: str) -> Shape:
+    """The FLOP formula's dimensions of a finished run.
+
+    P_lora and the tiny decoder's MLP width I are read from the trainable weights of the run's final
+    checkpoint; P_lin, layers, heads, width and vocabulary from the base model built from its config on
+    the meta device (shapes only, nothing allocated or read).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from unimae.checkpoint import load_latest_checkpoint
+
+    trainable = load_latest_checkpoint(output_dir)["trainable"]
+    lora = sum(t.numel() for n, t in trainable.items() if "lora_" in n)
+    gate = [t for n, t in trainable.items() if n.endswith("decoder.gate_proj.weight")]
+    if len(gate) != 1:
+        raise RuntimeError(f"expected one tiny-decoder gate_proj in the checkpoint, found {len(gate)}")
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    config = model.config
+    heads = config.num_attention_heads
+    return Shape(
+        linear_params=linear_params(model),
+        lora_params=lora,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        hidden=config.hidden_size,
+        vocab=model.get_output_embeddings().weight.shape[0],
+        tiny_intermediate=gate[0].shape[0],
+    )
 
 
 def rss_mib() -> dict[str, float | None]:
@@ -139,131 +186,76 @@ def rss_mib() -> dict[str, float | None]:
     return {"ru_maxrss_mib": round(peak, 1), "psutil_rss_mib": None if current is None else round(current, 1)}
 
 
-@dataclass
-class Setup:
-    """Everything one training step needs, built as ``unimae.trainer.train`` builds it."""
-
-    config: object  # unimae.config.TrainConfig
-    precision: str
-    texts: list[str]
-    tokenizer: object
-    objective: object  # unimae.losses.UniMAEObjective around the LoRA-wrapped LLM
-    params: list
-    optimizer: object
-    collate: object  # unimae.masking.UniMAECollator
-    order: object  # unimae.trainer.DataOrder
-    shape: Shape
-
-
-def build(config) -> Setup:
-    """Texts, model, LoRA (the trainer's ``_build_llm``), objective, AdamW and collator."""
-    import torch
-
-    from unimae.corpus import load_texts
-    from unimae.losses import UniMAEObjective
-    from unimae.masking import UniMAECollator
-    from unimae.models import load_model
-    from unimae.precision import resolve_precision
-    from unimae.tokenization import choose_mask_token
-    from unimae.trainer import DataOrder, _build_llm
-
-    torch.manual_seed(config.seed)
-    texts = load_texts(config.data)
-    model, tokenizer, _ = load_model(config.model)
-    _, mask_id = choose_mask_token(tokenizer, config.mask_token)
-    p_lin = linear_params(model)
-    llm = _build_llm(config, model)
-    objective = UniMAEObjective(llm, config.alpha, config.max_length, config.ce_chunk_size,
-                                config.mrc_heads, config.mrc_intermediate_size)
-    objective.train()
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    collate = UniMAECollator(tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id,
-                             config.p_mar, config.p_mrc, config.seed)
-    return Setup(config, resolve_precision(config.precision, torch.device("cpu")), texts, tokenizer,
-                 objective, params, optimizer, collate, DataOrder(len(texts), config.seed),
-                 model_shape(p_lin, llm, objective))
-
-
-def train_step(setup: Setup, step: int, flops: Flops | None) -> int:
-    """Optimizer step ``step`` as the trainer runs it (one process); returns its real token count."""
-    import torch
-
-    from unimae.precision import autocast
-    from unimae.tokenization import encode_with_eos
-
-    config = setup.config
-    accum = config.validate(1)
-    examples = list(range(step * config.batch_size, (step + 1) * config.batch_size))
-    tokens = 0
-    for micro in range(accum):
-        chosen = examples[micro * config.micro_batch_size:(micro + 1) * config.micro_batch_size]
-        texts = [setup.texts[setup.order.text_index(i)] for i in chosen]
-        ids = encode_with_eos(setup.tokenizer, texts, config.max_length)
-        batch = setup.collate(ids, chosen)
-        tokens += batch.num_tokens
-        if flops is not None:
-            micro_batch_flops(setup.shape, [len(s) for s in ids], flops)
-        with autocast(setup.precision, torch.device("cpu")):
-            losses = setup.objective(batch)
-        (losses["loss"] / accum).backward()
-    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-    torch.nn.utils.clip_grad_norm_(setup.params, max_norm)
-    setup.optimizer.step()
-    setup.optimizer.zero_grad(set_to_none=True)
-    return tokens
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict:
-    """Build one model's training setup and time its steps (runs in a fresh process)."""
-    import warnings
-
+    """Train ``name`` with ``unimae.trainer.train`` and summarize its log (runs in a fresh process)."""
     import torch
 
     from unimae.config import TrainConfig
-    from unimae.tokenization import TextTooLongWarning
+    from unimae.trainer import train
 
-    warnings.simplefilter("ignore", TextTooLongWarning)  # truncation to max_length is the recipe
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = TrainConfig(model=name, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                         max_length=args.max_length, precision=args.precision)
-    config.validate(1)
-    t0 = time.perf_counter()
-    setup = build(config)
-    load_s = time.perf_counter() - t0
-    for step in range(args.warmup):
-        train_step(setup, step, None)
-    flops, seconds, tokens, rss_samples = Flops(), [], [], []
-    for step in range(args.warmup, args.warmup + args.steps):
+    with tempfile.TemporaryDirectory(prefix="unimae-train-step-") as tmp:
+        out = Path(tmp) / "run"
+        config = TrainConfig(
+            model=name,
+            output_dir=str(out),
+            steps=args.warmup + args.steps,
+            save_every=0,
+            batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size,
+            max_length=args.max_length,
+            precision=args.precision,
+            threads=args.threads,
+        )
         tic = time.perf_counter()
-        tokens.append(train_step(setup, step, flops))
-        seconds.append(time.perf_counter() - tic)
-        rss_samples.append(rss_mib()["psutil_rss_mib"])
-    return summarize(setup, flops, seconds, tokens, rss_samples, load_s)
-
-
-def summarize(setup: Setup, flops: Flops, seconds: list[float], tokens: list[int],
-              rss_samples: list[float | None], load_s: float) -> dict:
-    """Per-model numbers: step times, tokens/s, FLOPs by component, memory."""
-    import torch
-
-    config, steps, total_s = setup.config, len(seconds), sum(seconds)
-    psutil_peak = max((r for r in rss_samples if r is not None), default=None)
+        result = train(config)
+        wall = time.perf_counter() - tic
+        memory = rss_mib()  # first thing after train(): the process's peak is the run's
+        records = read_jsonl(out / "log.jsonl")
+        run = json.loads((out / "run.json").read_text())
+        if result.interrupted or len(records) != config.steps:
+            raise RuntimeError(f"{name}: the run logged {len(records)} of {config.steps} steps")
+        shape = run_shape(out, run["resolved_model_path"])
+    timed = [r for r in records if r["step"] > args.warmup]
+    flops = Flops()
+    for record in timed:
+        step_flops(shape, record["tokens"], config.batch_size, flops)
+    seconds = [r["seconds"] for r in timed]
+    tokens = [r["tokens"] for r in timed]
+    steps, total_s = len(timed), sum(seconds)
     return {
-        "model": config.model, "precision": setup.precision, "torch_threads": torch.get_num_threads(),
-        "batch_size": config.batch_size, "micro_batch_size": config.micro_batch_size,
-        "max_length": config.max_length, "lora_r": config.lora_r, "timed_steps": steps,
-        "load_seconds": round(load_s, 2),
-        "step_seconds": [round(s, 3) for s in seconds],
-        "step_seconds_mean": total_s / steps, "step_seconds_min": min(seconds),
-        "tokens_per_step_mean": sum(tokens) / steps, "tokens_per_s": sum(tokens) / total_s,
-        "shape": vars(setup.shape),
+        "model": name,
+        "resolved_model_path": run["resolved_model_path"],
+        "precision": run["resolved_precision"],
+        "world_size": run["world_size"],
+        "grad_accum_steps": run["grad_accum_steps"],
+        "torch_threads": torch.get_num_threads(),
+        "batch_size": config.batch_size,
+        "micro_batch_size": config.micro_batch_size,
+        "max_length": config.max_length,
+        "lora_r": config.lora_r,
+        "warmup_steps": args.warmup,
+        "timed_steps": steps,
+        "setup_seconds": round(wall - result.seconds, 2),  # train() before its loop: load, LoRA, ...
+        "finish_seconds": round(result.seconds - records[-1]["elapsed"], 2),  # final checkpoint + adapter
+        "step_seconds": seconds,
+        "step_tokens": tokens,
+        "step_loss": [r["loss"] for r in timed],
+        "step_seconds_mean": total_s / steps,
+        "step_seconds_min": min(seconds),
+        "tokens_per_step_mean": sum(tokens) / steps,
+        "tokens_per_s": sum(tokens) / total_s,
+        "shape": vars(shape),
+        "flops_note": "quadratic terms at the average length tokens/batch_size (module docstring)",
         "flops_per_step": flops.model_total / steps,
         "flops_per_step_incl_recompute": sum(flops.parts.values()) / steps,
         "flops_by_component_per_step": {k: v / steps for k, v in flops.parts.items()},
         "achieved_flop_per_s": flops.model_total / total_s,
-        "peak_rss_mib": rss_mib()["ru_maxrss_mib"], "psutil_rss_mib_max_after_step": psutil_peak,
+        "peak_rss_mib": memory["ru_maxrss_mib"],
+        "psutil_rss_mib_after_train": memory["psutil_rss_mib"],
     }
 
 
@@ -316,11 +308,15 @@ def cpu_peak() -> dict:
         bf16_per_cycle, bf16_source = None, "no native bf16 instructions (amx_bf16/avx512_bf16 absent)"
     return {
         "cpu_model": name or lscpu.get("Model name") or platform.processor(),
-        "cores": cores, "cores_source": cores_source, "logical_cpus": os.cpu_count(),
-        "clock_ghz": hz / 1e9, "clock_source": clock_source,
+        "cores": cores,
+        "cores_source": cores_source,
+        "logical_cpus": os.cpu_count(),
+        "clock_ghz": hz / 1e9,
+        "clock_source": clock_source,
         "fp32_flop_per_cycle_per_core": fp32_per_cycle,
         "fp32_derivation": f"2 FMA units x {lanes} fp32 lanes ({'AVX-512' if lanes == 16 else 'AVX2'}) x 2",
-        "bf16_flop_per_cycle_per_core": bf16_per_cycle, "bf16_derivation": bf16_source,
+        "bf16_flop_per_cycle_per_core": bf16_per_cycle,
+        "bf16_derivation": bf16_source,
         "peak_fp32_flop_per_s": cores * hz * fp32_per_cycle,
         "peak_bf16_flop_per_s": cores * hz * bf16_per_cycle if bf16_per_cycle else None,
     }
@@ -334,32 +330,48 @@ def add_utilization(result: dict, peak: dict) -> None:
 
 
 def print_peak(peak: dict) -> None:
-    print(f"CPU: {peak['cpu_model']}  cores={peak['cores']} ({peak['cores_source']})  "
-          f"clock={peak['clock_ghz']:.2f} GHz ({peak['clock_source']})")
-    print(f"  fp32 peak = {peak['cores']} x {peak['clock_ghz']:.2f} GHz x "
-          f"{peak['fp32_flop_per_cycle_per_core']} [{peak['fp32_derivation']}] = "
-          f"{peak['peak_fp32_flop_per_s'] / 1e9:.1f} GFLOP/s")
+    print(
+        f"CPU: {peak['cpu_model']}  cores={peak['cores']} ({peak['cores_source']})  "
+        f"clock={peak['clock_ghz']:.2f} GHz ({peak['clock_source']})"
+    )
+    print(
+        f"  fp32 peak = {peak['cores']} x {peak['clock_ghz']:.2f} GHz x "
+        f"{peak['fp32_flop_per_cycle_per_core']} [{peak['fp32_derivation']}] = "
+        f"{peak['peak_fp32_flop_per_s'] / 1e9:.1f} GFLOP/s"
+    )
     if peak["peak_bf16_flop_per_s"]:
-        print(f"  bf16 peak = {peak['cores']} x {peak['clock_ghz']:.2f} GHz x "
-              f"{peak['bf16_flop_per_cycle_per_core']} [{peak['bf16_derivation']}] = "
-              f"{peak['peak_bf16_flop_per_s'] / 1e9:.1f} GFLOP/s")
+        print(
+            f"  bf16 peak = {peak['cores']} x {peak['clock_ghz']:.2f} GHz x "
+            f"{peak['bf16_flop_per_cycle_per_core']} [{peak['bf16_derivation']}] = "
+            f"{peak['peak_bf16_flop_per_s'] / 1e9:.1f} GFLOP/s"
+        )
     else:
         print(f"  bf16 peak: n/a ({peak['bf16_derivation']})")
 
 
 def print_result(r: dict) -> None:
-    share = " ".join(f"{k}={r[f'share_of_{k}_peak']:.2%}" for k in ("fp32", "bf16")
-                     if r[f"share_of_{k}_peak"] is not None)
-    print(f"\n{r['model']}  precision={r['precision']}  threads={r['torch_threads']}  "
-          f"batch={r['batch_size']}/{r['micro_batch_size']}  max_length={r['max_length']}  "
-          f"steps={r['timed_steps']}")
-    print(f"  s/step mean={r['step_seconds_mean']:.2f} min={r['step_seconds_min']:.2f}  "
-          f"tokens/s={r['tokens_per_s']:.0f} ({r['tokens_per_step_mean']:.0f} tokens/step)")
-    print(f"  FLOP/step={r['flops_per_step'] / 1e12:.3f} T (incl. CE recompute "
-          f"{r['flops_per_step_incl_recompute'] / 1e12:.3f} T)  "
-          f"achieved={r['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s  share of peak: {share}")
-    print(f"  peak RSS={r['peak_rss_mib']:.0f} MiB (ru_maxrss)  psutil RSS max after a step="
-          f"{r['psutil_rss_mib_max_after_step']} MiB  load={r['load_seconds']:.1f} s")
+    share = " ".join(
+        f"{k}={r[f'share_of_{k}_peak']:.2%}" for k in ("fp32", "bf16") if r[f"share_of_{k}_peak"] is not None
+    )
+    print(
+        f"\n{r['model']}  precision={r['precision']}  threads={r['torch_threads']}  "
+        f"processes={r['world_size']}  batch={r['batch_size']}/{r['micro_batch_size']}  "
+        f"max_length={r['max_length']}  steps={r['timed_steps']} (+{r['warmup_steps']} warm-up)"
+    )
+    print(
+        f"  s/step mean={r['step_seconds_mean']:.2f} min={r['step_seconds_min']:.2f}  "
+        f"tokens/s={r['tokens_per_s']:.0f} ({r['tokens_per_step_mean']:.0f} tokens/step)"
+    )
+    print(
+        f"  FLOP/step={r['flops_per_step'] / 1e9:.2f} G (incl. CE recompute "
+        f"{r['flops_per_step_incl_recompute'] / 1e9:.2f} G)  "
+        f"achieved={r['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s  share of peak: {share}"
+    )
+    print(
+        f"  peak RSS={r['peak_rss_mib']:.0f} MiB (ru_maxrss)  psutil RSS after train="
+        f"{r['psutil_rss_mib_after_train']} MiB  setup={r['setup_seconds']:.1f} s  "
+        f"final save={r['finish_seconds']:.1f} s"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -367,9 +379,14 @@ def parse_args() -> argparse.Namespace:
 
     d = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    parser.add_argument("--warmup", type=int, default=1, help="Untimed optimizer steps first.")
-    parser.add_argument("--steps", type=int, default=3, help="Timed optimizer steps.")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["smollm2-135m", "gemma3-270m"],
+        help="Anything TrainConfig.model accepts: short names, Hub ids, local model directories.",
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="Logged steps dropped before the statistics.")
+    parser.add_argument("--steps", type=int, default=3, help="Steps measured after the warm-up.")
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     parser.add_argument("--max-length", type=int, default=d.max_length)
@@ -379,6 +396,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    # A local directory is passed as an absolute path: the run happens in another process.
+    args.models = [str(Path(m).resolve()) if Path(m).exists() else m for m in args.models]
     return args
 
 

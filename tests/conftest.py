@@ -34,27 +34,39 @@ def build_tokenizer(add_bos: bool, with_mask: bool):
     specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>" if with_mask else "<extra_0>", "<extra_1>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(SENTENCES * 4, trainer)
     from tokenizers import decoders
 
     tok.decoder = decoders.ByteLevel()
     if add_bos:
         bos_id = tok.token_to_id("<bos>")
-        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                           special_tokens=[("<bos>", bos_id)])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos_id)]
+        )
     kwargs = {"mask_token": "<mask>"} if with_mask else {"additional_special_tokens": ["<extra_0>", "<extra_1>"]}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>", **kwargs)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", **kwargs
+    )
 
 
 def build_model(arch: str, vocab_size: int, seed: int = 0):
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=True)
     elif arch == "gemma3":

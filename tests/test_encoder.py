@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from conftest import SENTENCES
 
 from unimae.encoder import Encoder
 from unimae.models import load_model
 from unimae.tokenization import encode_with_eos, last_token_index, pad_batch
-
-from conftest import SENTENCES
 
 TEXTS = SENTENCES[:7] + ["", "   ", "short", "the"]
 

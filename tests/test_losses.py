@@ -18,7 +18,7 @@ def test_chunked_ce_equals_full_ce_values_and_grads():
     torch.testing.assert_close(chunked, full)
     g1 = torch.autograd.grad(chunked.sum(), (hidden, weight))
     g2 = torch.autograd.grad(full.sum(), (hidden, weight))
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -11,7 +11,7 @@ def test_mrc_diagonal_hidden_eos_visible_pads_hidden():
     assert visible[:, 0].all(), "h_eos key must always be visible"
     for i in range(8):
         assert not visible[i, i + 1], f"query {i} sees its own token"
-    assert not visible[:, 1 + 5:].any(), "pad keys must be hidden"
+    assert not visible[:, 1 + 5 :].any(), "pad keys must be hidden"
 
 
 def test_mrc_hidden_share_matches_p_mrc():
@@ -26,7 +26,7 @@ def test_mar_never_masks_bos_or_eos_and_rate_matches():
     assert out[0] == 1 and out[-1] == 2
     masked = sum(o == 99 for o in out[1:-1]) / 1000
     assert 0.45 < masked < 0.55
-    assert all(o in (99, i) for o, i in zip(out, ids))
+    assert all(o in (99, i) for o, i in zip(out, ids, strict=True))
 
 
 def test_mar_zero_rate_is_identity():

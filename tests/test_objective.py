@@ -1,14 +1,13 @@
 """The UniMAE objective on tiny random Llama / Gemma3 / Qwen2 models."""
 
 import torch
+from conftest import SENTENCES
 from peft import LoraConfig, get_peft_model
 
 from unimae.losses import UniMAEObjective
 from unimae.masking import UniMAECollator
 from unimae.models import load_model
 from unimae.tokenization import choose_mask_token, encode_with_eos
-
-from conftest import SENTENCES
 
 
 def _objective(tiny_dir, alpha=0.1):

@@ -15,8 +15,19 @@ from unimae.trainer import train
 
 
 def _config(tiny_dir, corpus_file, out, **overrides):
-    values = dict(model=str(tiny_dir), data=str(corpus_file), output_dir=str(out), steps=4, batch_size=4,
-                  micro_batch_size=2, max_length=24, save_every=2, precision="fp32", lora_r=4, lora_alpha=8)
+    values = dict(
+        model=str(tiny_dir),
+        data=str(corpus_file),
+        output_dir=str(out),
+        steps=4,
+        batch_size=4,
+        micro_batch_size=2,
+        max_length=24,
+        save_every=2,
+        precision="fp32",
+        lora_r=4,
+        lora_alpha=8,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -46,7 +57,7 @@ def test_resume_continues_the_same_loss_curve(tiny_dir, corpus_file, tmp_path):
     train(_config(tiny_dir, corpus_file, tmp_path / "resumed", steps=4, lora_dropout=0.1), resume=True)
     straight, resumed = _log(tmp_path / "straight"), _log(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(straight, resumed):
+    for a, b in zip(straight, resumed, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), a["step"]
 
 

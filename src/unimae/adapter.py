@@ -14,8 +14,15 @@ from pathlib import Path
 import torch
 
 ADAPTER_META = "unimae.json"
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                         "use_cache", "_attn_implementation_autoset"}
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "architectures",
+    "use_cache",
+    "_attn_implementation_autoset",
+}
 
 
 def base_fingerprint(model) -> str:

@@ -83,8 +83,14 @@ class CheckResult:
         return "\n".join(lines)
 
 
-def run_check(model: str, adapter: str | None, sts: str | None = None, max_paragraphs: int = 300,
-              prompt: str = "The capital of France is", max_length: int = 128) -> CheckResult:
+def run_check(
+    model: str,
+    adapter: str | None,
+    sts: str | None = None,
+    max_paragraphs: int = 300,
+    prompt: str = "The capital of France is",
+    max_length: int = 128,
+) -> CheckResult:
     """Base mean, base eos and (with ``adapter``) trained eos on STSB and held-out halves."""
     if sts is None:
         data = find_data_dir()

@@ -77,6 +77,7 @@ def load_latest_checkpoint(output_dir: str | Path) -> dict[str, Any]:
                 raise ValueError("missing fields")
             return state
         except Exception as err:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
-            logger.warning("checkpoint %s is corrupt (%s); trying an older one. Delete it to silence this.",
-                           candidate, err)
+            logger.warning(
+                "checkpoint %s is corrupt (%s); trying an older one. Delete it to silence this.", candidate, err
+            )
     raise CheckpointError(f"every checkpoint in {root} is corrupt; delete {root} and train without --resume")

@@ -48,8 +48,9 @@ def _embed(args: argparse.Namespace) -> int:
     from unimae.encoder import Encoder
 
     texts = _read_inputs(args)
-    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, pooling=args.pooling,
-                                      max_length=args.max_length, precision=args.precision)
+    encoder = Encoder.from_pretrained(
+        args.model, adapter=args.adapter, pooling=args.pooling, max_length=args.max_length, precision=args.precision
+    )
     vectors = encoder.encode(texts, batch_size=args.batch_size, normalize=args.normalize)
     if args.output:
         np.save(args.output, vectors)
@@ -84,6 +85,54 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate_embeddings(args: argparse.Namespace) -> int:
+    from unimae.evaluation.embeddings import evaluate_embeddings, expand_tasks
+    from unimae.evaluation.summary import write_summary
+
+    run = evaluate_embeddings(
+        args.model,
+        args.tasks,
+        Path(args.output_dir),
+        adapter=args.adapter,
+        pooling=args.pooling,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        label=args.label,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        precision=args.precision,
+        use_cache=not args.no_cache,
+    )
+    _, _, markdown = write_summary(Path(args.output_dir), [run.label], expand_tasks(args.tasks))
+    print(markdown)
+    print(
+        f"\nper-task JSON: {run.output_dir}  (runtimes in run.json; cache hits {run.cache_hits}, "
+        f"misses {run.cache_misses})"
+    )
+    for name, message in run.errors.items():
+        print(f"FAILED {name}: {message}", file=sys.stderr)
+    return 1 if run.errors else 0
+
+
+def _evaluate_generation(args: argparse.Namespace) -> int:
+    from unimae.evaluation.generation import HEADLINE_METRIC, evaluate_generation
+
+    summary = evaluate_generation(
+        args.model,
+        args.adapter,
+        Path(args.output_dir),
+        Path(args.data_dir) if args.data_dir else None,
+        tasks=args.tasks,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        precision=args.precision,
+    )
+    for task, metrics in summary["results"].items():
+        key = HEADLINE_METRIC[task]
+        print(f"{task:16s} {key.split(',')[0]:16s} {metrics[key]:.4f}")
+    print(f"\nwrote {Path(args.output_dir) / 'generation.json'} ({summary['seconds']} s)")
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from unimae.models import OFFLINE_MODELS
 
@@ -97,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="Train a UniMAE adapter (see --help for every recipe number).",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train = sub.add_parser(
+        "train",
+        help="Train a UniMAE adapter (see --help for every recipe number).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_config_arguments(train)
     train.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in --output-dir.")
     train.set_defaults(func=_train)
@@ -134,6 +186,30 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--output", help="Also write the results as JSON.")
     check.set_defaults(func=_check)
 
+    evaluate = sub.add_parser("evaluate", help="Evaluate on mteb (embeddings) or lm-eval (generation).")
+    kinds = evaluate.add_subparsers(dest="kind", required=True)
+    emb = kinds.add_parser("embeddings", help="mteb tasks: a group (dev, mteb15) or task names.")
+    model_args(emb)
+    emb.add_argument("--pooling", default="eos", choices=("eos", "mean", "echo"))
+    emb.add_argument("--tasks", nargs="+", default=["dev"], help="Task groups 'dev' / 'mteb15' or mteb task names.")
+    emb.add_argument("--data-dir", help="Local data in the shared/data layout (README); else mteb loads from the Hub.")
+    emb.add_argument("--output-dir", default="results/embeddings")
+    emb.add_argument("--label", help="Row name in the summary (default: model-adapter-pooling).")
+    emb.add_argument("--batch-size", type=int, default=32)
+    emb.add_argument("--max-length", type=int, default=512)
+    emb.add_argument("--no-cache", action="store_true", help="Do not read or write the embedding cache.")
+    emb.set_defaults(func=_evaluate_embeddings)
+    gen = kinds.add_parser(
+        "generation", help="lm-eval: arc_easy piqa hellaswag winogrande lambada_openai wiki_heldout."
+    )
+    model_args(gen)
+    gen.add_argument("--tasks", nargs="+", default=None, help="Subset of the generation tasks (default: all).")
+    gen.add_argument("--data-dir", help="Folder with generation/<task>/*.jsonl (the shared/data layout).")
+    gen.add_argument("--output-dir", default="results/generation")
+    gen.add_argument("--limit", type=int, default=None, help="Score only the first N items of each task.")
+    gen.add_argument("--batch-size", type=int, default=16)
+    gen.set_defaults(func=_evaluate_generation)
+
     models = sub.add_parser("models", help="List the offline models that ship on PyPI.")
     models.set_defaults(func=_models)
     return parser
@@ -141,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError, ModuleNotFoundError, OSError) as err:

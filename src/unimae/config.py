@@ -16,6 +16,8 @@ from typing import Any
 
 # Recipes override the defaults (which are the CPU recipe). The paper recipe is App. C of the
 # UniMAE paper: global batch 32, max length 512, 100 steps, LoRA r=16/alpha=32, lr 1e-4 constant.
+METHODS = ("unimae",)
+
 RECIPES: dict[str, dict[str, Any]] = {
     "cpu": {},
     "paper": {"batch_size": 32, "micro_batch_size": 8, "max_length": 512},
@@ -28,17 +30,23 @@ class TrainConfig:
 
     model: str = field(
         default="smollm2-135m",
-        metadata={"help": "Hugging Face model id, local model directory, .gguf file, or an offline "
-                  "short name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b)."},
+        metadata={
+            "help": "Hugging Face model id, local model directory, .gguf file, or an offline "
+            "short name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b)."
+        },
     )
     data: str = field(
         default="enwiki-gensim",
-        metadata={"help": "Training text: 'enwiki-gensim' (default corpus), a .txt/.jsonl/.parquet file, "
-                  "or a Hugging Face datasets name (online)."},
+        metadata={
+            "help": "Training text: 'enwiki-gensim' (default corpus), a .txt/.jsonl/.parquet file, "
+            "or a Hugging Face datasets name (online)."
+        },
     )
-    output_dir: str = field(default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."})
+    output_dir: str = field(
+        default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."}
+    )
     recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
-    method: str = field(default="unimae", metadata={"help": "Training objective."})
+    method: str = field(default="unimae", metadata={"help": f"Training objective, one of {METHODS}."})
 
     steps: int = field(default=100, metadata={"help": "Optimizer steps (paper: 100)."})
     batch_size: int = field(default=16, metadata={"help": "Global batch size in texts (paper: 32)."})
@@ -55,8 +63,10 @@ class TrainConfig:
     p_mrc: float = field(default=0.5, metadata={"help": "Share of token keys hidden from the tiny decoder (Eq. 4)."})
     mask_token: str = field(
         default="auto",
-        metadata={"help": "Mask token for MAR: 'auto' = the tokenizer's mask token, else its last special "
-                  "token that is not BOS/EOS/PAD/UNK and not used by the chat template."},
+        metadata={
+            "help": "Mask token for MAR: 'auto' = the tokenizer's mask token, else its last special "
+            "token that is not BOS/EOS/PAD/UNK and not used by the chat template."
+        },
     )
 
     lora_r: int = field(default=16, metadata={"help": "LoRA rank (paper: 16)."})
@@ -93,6 +103,8 @@ class TrainConfig:
         """Check the numbers and return the gradient-accumulation steps per process."""
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {sorted(RECIPES)}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {METHODS}")
         for name in ("p_mar", "p_mrc"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -143,8 +155,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default = f.default
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         else:
             parser.add_argument(flag, dest=f.name, type=type(default), default=argparse.SUPPRESS, help=help_text)
 

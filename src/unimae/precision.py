@@ -17,8 +17,10 @@ def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return bool(torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX") and
-                    torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(
+            torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
     return False
 
 

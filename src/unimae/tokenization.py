@@ -43,12 +43,15 @@ def encode_with_eos(tokenizer, texts: Sequence[str], max_length: int, warn: bool
     if truncated and warn:
         warnings.warn(
             f"texts longer than max_length={max_length} tokens were truncated (EOS is kept at the end)",
-            TextTooLongWarning, stacklevel=2,
+            TextTooLongWarning,
+            stacklevel=2,
         )
     return out
 
 
-def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(
+    sequences: Sequence[Sequence[int]], pad_id: int, side: str = "right"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad to (B, T) ``input_ids`` and ``attention_mask`` on the given side."""
     if side not in ("left", "right"):
         raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")

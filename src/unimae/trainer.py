@@ -29,6 +29,7 @@ from unimae.losses import UniMAEObjective
 from unimae.masking import UniMAECollator
 from unimae.models import load_model
 from unimae.precision import autocast, resolve_precision, weight_dtype
+from unimae.runtime import tune_allocator
 from unimae.tokenization import choose_mask_token, encode_with_eos
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,13 @@ def _build_llm(config: TrainConfig, model):
         return model
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, lora)
 
 
@@ -101,6 +107,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
 
     # Without a GPU, cpu=True lets accelerate see torchrun's WORLD_SIZE and use gloo (MULTI_CPU).
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    tune_allocator()
     world = accelerator.num_processes
     accum = config.validate(world)
     if config.threads:
@@ -118,21 +125,26 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
     model, tokenizer, model_path = load_model(config.model, dtype=frozen_dtype)
     fingerprint = base_fingerprint(model)
     if state is not None and state["fingerprint"] != fingerprint:
-        raise ValueError(f"the checkpoint in {out} was trained on another base model ({state['model']}); "
-                         f"pass --model {state['model']} to resume it")
+        raise ValueError(
+            f"the checkpoint in {out} was trained on another base model ({state['model']}); "
+            f"pass --model {state['model']} to resume it"
+        )
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
     llm = _build_llm(config, model)
     if config.gradient_checkpointing:
         llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         llm.enable_input_require_grads()
-    objective = UniMAEObjective(llm, config.alpha, config.max_length, config.ce_chunk_size,
-                                config.mrc_heads, config.mrc_intermediate_size)
+    objective = UniMAEObjective(
+        llm, config.alpha, config.max_length, config.ce_chunk_size, config.mrc_heads, config.mrc_intermediate_size
+    )
     objective.train()
     if state is not None:
         missing = set(state["trainable"]) - set(objective.state_dict())
         if missing:
-            raise ValueError(f"checkpoint in {out} does not match this configuration (unknown weights such as "
-                             f"{sorted(missing)[:3]}); resume with the run's own config.json")
+            raise ValueError(
+                f"checkpoint in {out} does not match this configuration (unknown weights such as "
+                f"{sorted(missing)[:3]}); resume with the run's own config.json"
+            )
         objective.load_state_dict(state["trainable"], strict=False)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -146,8 +158,14 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
     if state is not None:
         saved = state["rng"]  # one entry per process of the run that wrote it
         set_rng_state(saved[min(accelerator.process_index, len(saved) - 1)])
-    extra = {"mask_token": mask_token, "mask_token_id": mask_id, "resolved_model_path": str(model_path),
-             "world_size": world, "grad_accum_steps": accum, "resolved_precision": precision}
+    extra = {
+        "mask_token": mask_token,
+        "mask_token_id": mask_id,
+        "resolved_model_path": str(model_path),
+        "world_size": world,
+        "grad_accum_steps": accum,
+        "resolved_precision": precision,
+    }
     if main:
         config.save(out / "config.json")
         (out / "run.json").write_text(json.dumps(extra, indent=2) + "\n")
@@ -157,8 +175,9 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         log_path.write_text("".join(line + "\n" for line in kept_log))
 
     order = DataOrder(len(texts), config.seed)
-    collate = UniMAECollator(tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id,
-                             config.p_mar, config.p_mrc, config.seed)
+    collate = UniMAECollator(
+        tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id, config.p_mar, config.p_mrc, config.seed
+    )
     shard = config.batch_size // world
     stop = _StopFlag()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -170,10 +189,19 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         rngs = accelerator.gather_for_metrics([rng_state()], use_gather_object=True) if world > 1 else [rng_state()]
         if main:
             trainable = _trainable_state(accelerator.unwrap_model(wrapped))
-            save_checkpoint(out, step_done, {
-                "trainable": trainable, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rngs, "fingerprint": fingerprint, "model": config.model, "config": config.to_dict(),
-            })
+            save_checkpoint(
+                out,
+                step_done,
+                {
+                    "trainable": trainable,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rngs,
+                    "fingerprint": fingerprint,
+                    "model": config.model,
+                    "config": config.to_dict(),
+                },
+            )
 
     try:
         while step < config.steps and not stop.requested:
@@ -183,9 +211,10 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
             totals = {"loss": 0.0, "mar": 0.0, "mrc": 0.0}
             tokens = 0
             for micro in range(accum):
-                chosen = examples[micro * config.micro_batch_size:(micro + 1) * config.micro_batch_size]
-                ids = encode_with_eos(tokenizer, [texts[order.text_index(i)] for i in chosen], config.max_length,
-                                      warn=False)
+                chosen = examples[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+                ids = encode_with_eos(
+                    tokenizer, [texts[order.text_index(i)] for i in chosen], config.max_length, warn=False
+                )
                 batch = collate(ids, chosen).to(accelerator.device)
                 tokens += batch.num_tokens
                 sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(wrapped)
@@ -201,20 +230,32 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            stats = torch.tensor([totals["loss"], totals["mar"], totals["mrc"], tokens], dtype=torch.float64,
-                                 device=accelerator.device)
+            stats = torch.tensor(
+                [totals["loss"], totals["mar"], totals["mrc"], tokens], dtype=torch.float64, device=accelerator.device
+            )
             stats = accelerator.reduce(stats, reduction="sum") if world > 1 else stats
             seconds = time.perf_counter() - tic
-            record = {"step": step, "loss": stats[0].item() / world, "mar": stats[1].item() / world,
-                      "mrc": stats[2].item() / world, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
-                      "tokens": int(stats[3].item()), "seconds": round(seconds, 4),
-                      "tokens_per_s": round(stats[3].item() / seconds, 1),
-                      "elapsed": round(time.perf_counter() - t0, 2)}
+            record = {
+                "step": step,
+                "loss": stats[0].item() / world,
+                "mar": stats[1].item() / world,
+                "mrc": stats[2].item() / world,
+                "grad_norm": grad_norm,
+                "lr": scheduler.get_last_lr()[0],
+                "tokens": int(stats[3].item()),
+                "seconds": round(seconds, 4),
+                "tokens_per_s": round(stats[3].item() / seconds, 1),
+                "elapsed": round(time.perf_counter() - t0, 2),
+            }
             if main:
                 with open(log_path, "a") as log:
                     log.write(json.dumps(record) + "\n")
-                bar.set_postfix(loss=f"{record['loss']:.3f}", mar=f"{record['mar']:.3f}",
-                                mrc=f"{record['mrc']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    mar=f"{record['mar']:.3f}",
+                    mrc=f"{record['mrc']:.3f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                )
                 bar.update(1)
             if config.save_every and step % config.save_every == 0 and step < config.steps:
                 checkpoint(step)
@@ -229,8 +270,14 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         unwrapped = accelerator.unwrap_model(wrapped)
         unwrapped.llm.save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
-        write_adapter_meta(adapter_dir, fingerprint, config.model, trained_steps=step, mask_token=mask_token,
-                           training_config=config.to_dict())
+        write_adapter_meta(
+            adapter_dir,
+            fingerprint,
+            config.model,
+            trained_steps=step,
+            mask_token=mask_token,
+            training_config=config.to_dict(),
+        )
         if config.merge and not config.full_params:
             export_merged(config.model, adapter_dir, out / "merged")
     accelerator.wait_for_everyone()

@@ -12,17 +12,23 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, softcap: float | None
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)  # (n, V)
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits.float(), targets, reduction="none")  # (n,)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk_size: int = 1024, bias: torch.Tensor | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 1024,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Per-row CE of ``softcap(hidden @ weight.T + bias)`` against ``targets``.
 
     hidden: (N, D); weight: (V, D); targets: (N,) -> (N,) float32 losses.
@@ -33,8 +39,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            pieces.append(checkpoint(_chunk_loss, hidden[rows], weight, bias, targets[rows], softcap,
-                                     use_reentrant=False))
+            pieces.append(
+                checkpoint(_chunk_loss, hidden[rows], weight, bias, targets[rows], softcap, use_reentrant=False)
+            )
         else:
             pieces.append(_chunk_loss(hidden[rows], weight, bias, targets[rows], softcap))
     return torch.cat(pieces)  # (N,)

@@ -22,13 +22,15 @@ class MARLoss(nn.Module):
         self.chunk_size = chunk_size
         self.softcap = softcap
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                output_head: nn.Module) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, output_head: nn.Module
+    ) -> torch.Tensor:
         batch = hidden.shape[0]
         has_target = attention_mask[:, 1:].bool()  # (B, T-1) position t predicts token t+1
         rows = hidden[:, :-1][has_target]  # (n, D)
         targets = input_ids[:, 1:][has_target]  # (n,)
         example = torch.arange(batch, device=hidden.device)[:, None].expand_as(has_target)[has_target]  # (n,)
-        losses = chunked_cross_entropy(rows, output_head.weight, targets, self.chunk_size,
-                                       output_head.bias, self.softcap)
+        losses = chunked_cross_entropy(
+            rows, output_head.weight, targets, self.chunk_size, output_head.bias, self.softcap
+        )
         return per_example_mean(losses, example, batch)

@@ -25,8 +25,7 @@ class TinyDecoder(nn.Module):
     visible: (B, T, T + 1) bool key visibility (True = attend) -> (B, T, D).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, max_positions: int,
-                 eps: float = 1e-6):
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, max_positions: int, eps: float = 1e-6):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -82,14 +81,22 @@ class MRCLoss(nn.Module):
         self.chunk_size = chunk_size
         self.softcap = softcap
 
-    def forward(self, h_eos: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                visible: torch.Tensor, input_embeddings: nn.Module, output_head: nn.Module) -> torch.Tensor:
+    def forward(
+        self,
+        h_eos: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        visible: torch.Tensor,
+        input_embeddings: nn.Module,
+        output_head: nn.Module,
+    ) -> torch.Tensor:
         with torch.no_grad():
             token_embeds = input_embeddings(input_ids)  # (B, T, D) e_x of the original tokens
         out = self.decoder(h_eos, token_embeds.to(h_eos.dtype), visible)  # (B, T, D)
         real = attention_mask.bool()  # (B, T) pad queries carry no loss
         example = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(real)[real]
         bias = output_head.bias.detach() if output_head.bias is not None else None
-        losses = chunked_cross_entropy(out[real], output_head.weight.detach(), input_ids[real],
-                                       self.chunk_size, bias, self.softcap)  # (n,)
+        losses = chunked_cross_entropy(
+            out[real], output_head.weight.detach(), input_ids[real], self.chunk_size, bias, self.softcap
+        )  # (n,)
         return per_example_mean(losses, example, input_ids.shape[0])

@@ -27,8 +27,15 @@ class UniMAEObjective(nn.Module):
     forward(batch) -> {"loss", "mar", "mrc"} scalars.
     """
 
-    def __init__(self, llm: nn.Module, alpha: float, max_positions: int, chunk_size: int = 1024,
-                 mrc_heads: int = 0, mrc_intermediate_size: int = 0):
+    def __init__(
+        self,
+        llm: nn.Module,
+        alpha: float,
+        max_positions: int,
+        chunk_size: int = 1024,
+        mrc_heads: int = 0,
+        mrc_intermediate_size: int = 0,
+    ):
         super().__init__()
         self.llm = llm
         config = llm.config
@@ -47,13 +54,16 @@ class UniMAEObjective(nn.Module):
     def forward(self, batch: UniMAEBatch) -> dict[str, torch.Tensor]:
         position_ids = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
         hidden = self.llm.get_decoder()(
-            input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+            input_ids=batch.corrupted_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state  # (B, T, D) one pass: MAR logits and h_eos
         head = self.llm.get_output_embeddings()
         mar = self.mar(hidden, batch.input_ids, batch.attention_mask, head)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         h_eos = hidden[rows, last_token_index(batch.attention_mask)]  # (B, D) Eq. 2
-        mrc = self.mrc(h_eos, batch.input_ids, batch.attention_mask, batch.mrc_visible,
-                       self.llm.get_input_embeddings(), head)
+        mrc = self.mrc(
+            h_eos, batch.input_ids, batch.attention_mask, batch.mrc_visible, self.llm.get_input_embeddings(), head
+        )
         return {"loss": self.alpha * mar + mrc, "mar": mar.detach(), "mrc": mrc.detach()}

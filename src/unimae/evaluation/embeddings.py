@@ -1,0 +1,270 @@
+"""Embedding evaluation on the official ``mteb`` evaluators (2.x), with local data when offline.
+
+``evaluate_embeddings`` runs each task separately through ``mteb.evaluate``; a task that fails
+(unknown name, missing file, malformed line, Hub-only while offline) is recorded in
+``<task>.error.json`` and the others still run. Each successful task writes mteb's own result
+JSON (``TaskResult.to_disk``) atomically, so no partial JSON ever looks complete; ``run.json``
+beside them records model, adapter, pooling, revision, versions and each task's runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
+
+logger = logging.getLogger(__name__)
+
+# The 9 tasks of shared/data (5 MTEB categories).
+DEV_TASKS = [
+    "STSBenchmark",
+    "SICK-R",
+    "STS17",
+    "Banking77Classification",
+    "EmotionClassification",
+    "MassiveIntentClassification",
+    "TwentyNewsgroupsClustering",
+    "SciFact",
+    "TwitterURLCorpus",
+]
+# The UniMAE paper's MTEB-15 subset (Appendix A, Table 3), the same as LLM2Vec's.
+MTEB15_TASKS = [
+    "SciFact",
+    "ArguAna",
+    "NFCorpus",
+    "StackOverflowDupQuestions",
+    "SciDocsRR",
+    "BiorxivClusteringS2S",
+    "MedrxivClusteringS2S",
+    "TwentyNewsgroupsClustering",
+    "SprintDuplicateQuestions",
+    "Banking77Classification",
+    "EmotionClassification",
+    "MassiveIntentClassification",
+    "STS17",
+    "SICK-R",
+    "STSBenchmark",
+]
+TASK_GROUPS = {"dev": DEV_TASKS, "mteb15": MTEB15_TASKS}
+
+
+def expand_tasks(names: list[str]) -> list[str]:
+    """Task groups ('dev', 'mteb15') expand to their tasks; other names pass through, deduplicated."""
+    out: list[str] = []
+    for name in names:
+        out.extend(TASK_GROUPS.get(name, [name]))
+    return list(dict.fromkeys(out))
+
+
+def english_task(name: str):
+    """An mteb task restricted to English subsets and the MTEB English splits (test)."""
+    import mteb
+
+    task = mteb.get_task(name)
+    if task.metadata.is_multilingual:
+        english = [
+            subset
+            for subset, langs in task.metadata.eval_langs.items()
+            if all(lang.startswith("eng") for lang in langs)
+        ]
+        if not english:
+            raise ValueError(f"{name} has no English-only subset")
+        task = mteb.get_task(name, hf_subsets=english, eval_splits=["test"] if "test" in task.eval_splits else None)
+    return task
+
+
+def inject_local_data(task, data_dir: Path) -> None:
+    """Load the task's files from ``data_dir`` into the shapes mteb's evaluator reads."""
+    from datasets import Dataset, DatasetDict
+
+    task_type = task.metadata.type
+    folder = task_folder(data_dir, task.metadata.name, task_type)
+    splits = list(task.eval_splits)
+    columns = LOADERS[task_type](folder, task.metadata.name, splits)
+    if task_type == "Retrieval":
+        split_data = {
+            split: {
+                "corpus": Dataset.from_dict(d["corpus"]),
+                "queries": Dataset.from_dict(d["queries"]),
+                "relevant_docs": d["relevant_docs"],
+                "top_ranked": None,
+            }
+            for split, d in columns.items()
+        }
+        task.dataset = {subset: split_data for subset in task.hf_subsets}
+    else:
+        data = DatasetDict({split: Dataset.from_dict(cols) for split, cols in columns.items()})
+        task.dataset = {subset: data for subset in task.hf_subsets} if task.metadata.is_multilingual else data
+    task.data_loaded = True
+
+
+def adapter_revision(adapter: str | None) -> str:
+    """Content hash of the adapter weights (the 'revision' of a trained model); 'base' without one."""
+    if adapter is None:
+        return "base"
+    digest = hashlib.sha256()
+    for path in sorted(Path(adapter).glob("adapter_model.*")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    names = ("unimae", "mteb", "torch", "transformers", "peft", "sentence-transformers")
+    out = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+@dataclass
+class EmbeddingRun:
+    """What was evaluated and how each task went."""
+
+    label: str
+    output_dir: Path
+    scores: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    runtimes: dict[str, float] = field(default_factory=dict)
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def evaluate_model_on_tasks(
+    model,
+    tasks: list[str],
+    output_dir: Path,
+    label: str,
+    meta: dict,
+    data_dir: Path | None = None,
+    batch_size: int = 32,
+) -> EmbeddingRun:
+    """Evaluate an mteb-compatible ``model`` (ours or a SentenceTransformer) on ``tasks``."""
+    import mteb
+
+    out = Path(output_dir) / label
+    out.mkdir(parents=True, exist_ok=True)
+    run = EmbeddingRun(label, out)
+    for name in expand_tasks(tasks):
+        (out / f"{name}.error.json").unlink(missing_ok=True)
+        start = time.perf_counter()
+        try:
+            task = english_task(name)
+            if data_dir is not None:
+                inject_local_data(task, data_dir)
+            result = mteb.evaluate(
+                model,
+                task,
+                cache=None,
+                co2_tracker=False,
+                raise_error=True,
+                encode_kwargs={"batch_size": batch_size},
+                show_progress_bar=False,
+            )
+            task_result = result.task_results[0]
+            tmp = out / f".{name}.json.tmp"
+            task_result.to_disk(tmp)
+            os.replace(tmp, out / f"{name}.json")
+            run.scores[name] = float(task_result.get_score())
+        except (KeyError, ValueError, LocalDataError, FileNotFoundError, OSError, ConnectionError) as err:
+            message = str(err) if isinstance(err, LocalDataError) else f"{name}: {type(err).__name__}: {err}"
+            if data_dir is None and not isinstance(err, LocalDataError):
+                message += " (offline? pass --data-dir with the task's files)"
+            logger.error("task failed: %s", message)
+            run.errors[name] = message
+            _write_json_atomic(out / f"{name}.error.json", {"task": name, "error": message})
+            (out / f"{name}.json").unlink(missing_ok=True)
+        run.runtimes[name] = round(time.perf_counter() - start, 2)
+    _write_json_atomic(
+        out / "run.json",
+        {
+            **meta,
+            "label": label,
+            "versions": versions(),
+            "tasks": run.runtimes,
+            "errors": run.errors,
+            "data_dir": str(data_dir) if data_dir else None,
+        },
+    )
+    return run
+
+
+def default_label(model: str, adapter: str | None, pooling: str) -> str:
+    base = Path(model).name if Path(model).exists() else model.replace("/", "_")
+    return f"{base}-{Path(adapter).parent.name if adapter else 'base'}-{pooling}"
+
+
+def evaluate_embeddings(
+    model: str,
+    tasks: list[str],
+    output_dir: Path,
+    adapter: str | None = None,
+    pooling: str = "eos",
+    data_dir: Path | None = None,
+    label: str | None = None,
+    batch_size: int = 32,
+    max_length: int = 512,
+    precision: str = "auto",
+    use_cache: bool = True,
+    encoder=None,
+) -> EmbeddingRun:
+    """Evaluate unimae's Encoder (``model`` + ``adapter``, ``pooling``) on mteb ``tasks``.
+
+    Embeddings are cached under ``output_dir/embedding_cache.sqlite`` keyed by model, adapter
+    weights, pooling, max length, precision and text; ``encoder`` reuses an already loaded one.
+    """
+    from unimae.encoder import Encoder
+    from unimae.evaluation.embedding_cache import EmbeddingCache, namespace_key
+    from unimae.evaluation.mteb_model import MTEBEncoder
+
+    encoder = encoder or Encoder.from_pretrained(
+        model, adapter=adapter, pooling=pooling, max_length=max_length, precision=precision
+    )
+    revision = adapter_revision(adapter)
+    label = label or default_label(model, adapter, pooling)
+    cache = None
+    if use_cache:
+        namespace = namespace_key(
+            model=model,
+            adapter=revision,
+            pooling=pooling,
+            max_length=encoder.max_length,
+            precision=encoder.precision,
+            options=encoder.pooling_options,
+        )
+        cache = EmbeddingCache(Path(output_dir) / "embedding_cache.sqlite", namespace)
+    wrapped = MTEBEncoder(encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size)
+    meta = {
+        "model": model,
+        "adapter": adapter,
+        "pooling": pooling,
+        "revision": revision,
+        "max_length": encoder.max_length,
+        "precision": encoder.precision,
+    }
+    try:
+        run = evaluate_model_on_tasks(wrapped, tasks, Path(output_dir), label, meta, data_dir, batch_size)
+    finally:
+        if cache is not None:
+            hits, misses = cache.hits, cache.misses
+            cache.close()
+            logger.info("embedding cache: %d hits, %d misses", hits, misses)
+    if cache is not None:
+        run.cache_hits, run.cache_misses = hits, misses
+    return run

@@ -1,0 +1,113 @@
+"""Generation evaluation on ``lm-eval`` (lm-evaluation-harness) with local task definitions.
+
+The YAMLs in ``lm_tasks/`` mirror lm-eval's built-in arc_easy, piqa, hellaswag, winogrande and
+lambada_openai (zero-shot, the same prompts, choices and acc/acc_norm), pointed at local files
+in the ``generation/<task>/`` layout of ``--data-dir``. ``unimae_wiki_heldout`` is the perplexity
+of held-out Wikipedia paragraphs: every 10th article of the default corpus, never trained on.
+The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter merged in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+LM_TASKS_DIR = Path(__file__).parent / "lm_tasks"
+GENERATION_TASKS = ["arc_easy", "piqa", "hellaswag", "winogrande", "lambada_openai", "wiki_heldout"]
+HEADLINE_METRIC = {
+    "arc_easy": "acc_norm,none",
+    "piqa": "acc_norm,none",
+    "hellaswag": "acc_norm,none",
+    "winogrande": "acc,none",
+    "lambada_openai": "acc,none",
+    "wiki_heldout": "word_perplexity,none",
+}
+
+
+def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) -> Path:
+    """Render the task YAMLs with absolute data paths into ``target`` (an lm-eval include_path)."""
+    from unimae.corpus import enwiki_gensim_paragraphs
+
+    target.mkdir(parents=True, exist_ok=True)
+    heldout = target / "wiki_heldout.jsonl"
+    if "wiki_heldout" in tasks:
+        heldout.write_text("".join(json.dumps({"text": p}) + "\n" for p in enwiki_gensim_paragraphs("heldout")))
+    for name in tasks:
+        if name != "wiki_heldout":
+            if data_dir is None:
+                raise FileNotFoundError(f"generation task {name} needs --data-dir (generation/{name}/ files)")
+            files = list((Path(data_dir) / "generation" / name).glob("*.jsonl"))
+            if not files:
+                raise FileNotFoundError(f"generation task {name}: no .jsonl in {Path(data_dir) / 'generation' / name}")
+        template = (LM_TASKS_DIR / f"unimae_{name}.yaml").read_text()
+        rendered = template.format(
+            data_dir=str(Path(data_dir or ".").resolve() / "generation"), heldout_file=str(heldout.resolve())
+        )
+        (target / f"unimae_{name}.yaml").write_text(rendered)
+    (target / "winogrande_utils.py").write_text((LM_TASKS_DIR / "winogrande_utils.py").read_text())
+    return target
+
+
+def evaluate_generation(
+    model_spec: str,
+    adapter: str | None,
+    output_dir: Path,
+    data_dir: Path | None,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_length: int = 2048,
+    precision: str = "auto",
+) -> dict:
+    """Run lm-eval on the live model (adapter merged); write ``generation.json``; return it."""
+    import lm_eval
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from unimae.adapter import attach_adapter
+    from unimae.evaluation.embeddings import versions
+    from unimae.models import load_model
+    from unimae.precision import default_device, resolve_precision, weight_dtype
+
+    tasks = tasks or GENERATION_TASKS
+    unknown = sorted(set(tasks) - set(GENERATION_TASKS))
+    if unknown:
+        raise ValueError(f"unknown generation task(s) {unknown}; choose from {GENERATION_TASKS}")
+    output_dir = Path(output_dir)
+    resolved = resolve_precision(precision, default_device())
+    model, tokenizer, _ = load_model(model_spec, dtype=weight_dtype(resolved))
+    if adapter:
+        model = attach_adapter(model, adapter).merge_and_unload()
+    model.to(default_device()).eval()
+    include = write_task_configs(output_dir / "lm_tasks", data_dir, tasks)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[f"unimae_{t}" for t in tasks],
+            task_manager=TaskManager(include_path=str(include)),
+            num_fewshot=0,
+            limit=limit,
+            log_samples=False,
+            bootstrap_iters=1000,
+        )
+    summary = {
+        "model": model_spec,
+        "adapter": adapter,
+        "limit": limit,
+        "max_length": max_length,
+        "precision": resolved,
+        "seconds": round(time.perf_counter() - start, 1),
+        "versions": {**versions(), "lm_eval": lm_eval.__version__},
+        "results": {t: results["results"][f"unimae_{t}"] for t in tasks},
+        "n_samples": {t: results.get("n-samples", {}).get(f"unimae_{t}") for t in tasks},
+    }
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / "generation.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    os.replace(tmp, output_dir / "generation.json")
+    return summary

@@ -1,0 +1,54 @@
+"""unimae's Encoder as an ``mteb`` 2.x model, with the on-disk embedding cache in front of it.
+
+mteb hands ``encode`` a DataLoader of batches (``batch["text"]``); we gather the texts, look them
+up in the cache and embed only the missing ones with ``Encoder.encode`` (length-sorted batches).
+No instructions or prompts are used, as in the UniMAE paper.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mteb.models.abs_encoder import AbsEncoder
+from mteb.models.model_meta import ModelMeta, ScoringFunction
+
+from unimae.encoder import Encoder
+from unimae.evaluation.embedding_cache import EmbeddingCache
+
+
+class MTEBEncoder(AbsEncoder):
+    """Wrap ``Encoder`` for ``mteb.evaluate``; cosine similarity; float32 output."""
+
+    def __init__(
+        self, encoder: Encoder, name: str, revision: str, cache: EmbeddingCache | None = None, batch_size: int = 32
+    ):
+        self.encoder = encoder
+        self.cache = cache
+        self.batch_size = batch_size
+        self.mteb_model_meta = ModelMeta(
+            loader=None,
+            name=name if "/" in name else f"unimae/{name}",
+            revision=revision,
+            release_date=None,
+            languages=["eng-Latn"],
+            n_parameters=sum(p.numel() for p in encoder.model.parameters()),
+            memory_usage_mb=None,
+            max_tokens=encoder.max_length,
+            embed_dim=encoder.embedding_dim,
+            license=None,
+            open_weights=True,
+            public_training_code=None,
+            public_training_data=None,
+            framework=["PyTorch"],
+            similarity_fn_name=ScoringFunction.COSINE,
+            use_instructions=False,
+            training_datasets=None,
+        )
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        return self.encoder.encode(texts, batch_size=self.batch_size, show_progress=len(texts) > 2000)
+
+    def encode(self, inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kwargs) -> np.ndarray:
+        texts = [text for batch in inputs for text in batch["text"]]
+        if self.cache is None:
+            return self._embed(texts)
+        return self.cache.get_or_compute(texts, self._embed)

@@ -1,0 +1,107 @@
+"""Paper-style tables (UniMAE Table 1) computed from the per-task mteb result JSONs.
+
+Rows are compared methods (one folder of task JSONs each), columns the MTEB categories and the
+average over all tasks, all main scores x 100. A failed or missing task is named in the
+``missing`` column, and the averages it would enter are marked with ``*`` (computed over the
+tasks that did run), so an incomplete row never passes for a complete one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CATEGORIES = [
+    ("Retrieval", "Retr."),
+    ("Reranking", "Rerank."),
+    ("Clustering", "Clust."),
+    ("PairClassification", "PairClass."),
+    ("Classification", "Class."),
+    ("STS", "STS"),
+]
+
+
+@dataclass
+class SummaryRow:
+    label: str
+    task_scores: dict[str, float]  # task -> main score x 100
+    task_types: dict[str, str]
+    missing: list[str]
+
+    def category(self, category: str) -> tuple[float | None, bool]:
+        """(average, incomplete) for a category; None when no task of it ran."""
+        scores = [s for t, s in self.task_scores.items() if self.task_types[t] == category]
+        incomplete = any(self.task_types.get(t) == category for t in self.missing)
+        return (sum(scores) / len(scores) if scores else None), incomplete
+
+    @property
+    def average(self) -> float | None:
+        return sum(self.task_scores.values()) / len(self.task_scores) if self.task_scores else None
+
+
+def task_type(name: str) -> str:
+    import mteb
+
+    kind = mteb.get_task(name).metadata.type
+    return "Reranking" if kind == "Retrieval" and name in ("SciDocsRR", "StackOverflowDupQuestions") else kind
+
+
+def read_row(folder: Path, tasks: list[str]) -> SummaryRow:
+    """Main scores of ``tasks`` from ``folder/<task>.json`` (mteb's TaskResult format)."""
+    from mteb.results import TaskResult
+
+    scores, types, missing = {}, {}, []
+    for name in tasks:
+        types[name] = task_type(name)
+        path = folder / f"{name}.json"
+        if path.is_file():
+            scores[name] = float(TaskResult.from_disk(path).get_score()) * 100
+        else:
+            missing.append(name)
+    return SummaryRow(folder.name, scores, types, missing)
+
+
+def _fmt(value: float | None, incomplete: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}{'*' if incomplete else ''}"
+
+
+def summary_table(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells: method, categories present, per-task scores, average, missing."""
+    present = [(c, short) for c, short in CATEGORIES if any(c in r.task_types.values() for r in rows)]
+    tasks = list(dict.fromkeys(t for r in rows for t in r.task_types))
+    header = ["method", *[short for _, short in present], "Avg.", *tasks, "missing"]
+    cells = []
+    for row in rows:
+        line = [row.label]
+        line += [_fmt(*row.category(c)) for c, _ in present]
+        line.append(_fmt(row.average, bool(row.missing)))
+        line += [_fmt(row.task_scores.get(t)) if t not in row.missing else "failed" for t in tasks]
+        line.append(", ".join(row.missing))
+        cells.append(line)
+    return header, cells
+
+
+def write_summary(results_dir: Path, labels: list[str], tasks: list[str]) -> tuple[Path, Path, str]:
+    """Write ``summary.md`` and ``summary.csv`` in ``results_dir``; return their paths and the Markdown."""
+    rows = [read_row(results_dir / label, tasks) for label in labels]
+    header, cells = summary_table(rows)
+    markdown = "\n".join(
+        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        + ["| " + " | ".join(line) + " |" for line in cells]
+    )
+    md_path, csv_path = results_dir / "summary.md", results_dir / "summary.csv"
+    md_path.write_text(markdown + "\n")
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(cells)
+    (results_dir / "summary.json").write_text(
+        json.dumps(
+            {r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing} for r in rows}, indent=2
+        )
+    )
+    return md_path, csv_path, markdown

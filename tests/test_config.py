@@ -1,0 +1,60 @@
+"""Config precedence: defaults < recipe < config file < explicit flags."""
+
+import argparse
+import json
+
+import pytest
+
+from unimae.cli import build_parser
+from unimae.config import TrainConfig, resolve_config
+
+
+def _parse(argv):
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_defaults_are_the_cpu_recipe_with_paper_method_numbers():
+    config = resolve_config(_parse([]))
+    assert (config.lora_r, config.lora_alpha, config.lr, config.alpha, config.p_mar, config.steps) == (
+        16,
+        32,
+        1e-4,
+        0.1,
+        0.5,
+        100,
+    )
+    assert (config.batch_size, config.max_length) == (16, 128)
+
+
+def test_paper_recipe_then_file_then_flags(tmp_path):
+    assert (resolve_config(_parse(["--recipe", "paper"])).batch_size, 32)[0] == 32
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"recipe": "paper", "max_length": 256, "p_mar": 0.3}))
+    config = resolve_config(_parse(["--config", str(path), "--p-mar", "0.4"]))
+    assert (config.batch_size, config.max_length, config.p_mar) == (32, 256, 0.4)
+
+
+def test_yaml_config_and_bool_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 7\nmerge: true\n")
+    config = resolve_config(_parse(["--config", str(path), "--no-merge"]))
+    assert config.steps == 7 and config.merge is False
+
+
+def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"batchsize": 3}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        resolve_config(_parse(["--config", str(path)]))
+    with pytest.raises(ValueError, match="unknown recipe"):
+        resolve_config(argparse.Namespace(recipe="gpu"))
+    with pytest.raises(ValueError, match="p_mar"):
+        TrainConfig(p_mar=1.5).validate()
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        TrainConfig(batch_size=16, micro_batch_size=8).validate(world_size=3)
+
+
+def test_every_field_has_help_text():
+    from dataclasses import fields
+
+    assert all(f.metadata.get("help") for f in fields(TrainConfig))

@@ -1,0 +1,53 @@
+"""Training-data loading and its error messages."""
+
+import json
+
+import pytest
+
+from unimae.corpus import CorpusError, enwiki_gensim_paragraphs, load_texts
+
+
+def test_txt_jsonl_parquet(tmp_path):
+    (tmp_path / "a.txt").write_text("one\n\n  \ntwo\n")
+    assert load_texts(str(tmp_path / "a.txt")) == ["one", "two"]
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n\n" + json.dumps({"text": "y"}) + "\n")
+    assert load_texts(str(tmp_path / "a.jsonl")) == ["x", "y"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["p", " ", "q"]}), tmp_path / "a.parquet")
+    assert load_texts(str(tmp_path / "a.parquet")) == ["p", "q"]
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"fine\nalso fine\nbroken \xff\xfe here\n")
+    with pytest.raises(CorpusError, match=r"bad.txt, line 3: invalid UTF-8"):
+        load_texts(str(path))
+
+
+def test_malformed_jsonl_and_missing_field(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{not json}\n')
+    with pytest.raises(CorpusError, match="line 2: not valid JSON"):
+        load_texts(str(path))
+    path.write_text('{"body": "no text field"}\n')
+    with pytest.raises(CorpusError, match="line 1: expected an object with a string 'text'"):
+        load_texts(str(path))
+
+
+def test_missing_file_and_empty_corpus(tmp_path):
+    with pytest.raises(CorpusError, match="does not exist"):
+        load_texts(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(CorpusError, match="empty"):
+        load_texts(str(tmp_path / "empty.txt"))
+
+
+def test_default_corpus_is_real_wikipedia_split_by_article():
+    train = enwiki_gensim_paragraphs("train")
+    heldout = enwiki_gensim_paragraphs("heldout")
+    assert len(train) > 3000 and len(heldout) > 200
+    assert not set(train) & set(heldout)
+    assert all(len(p) >= 200 for p in train[:100])
+    assert "Anarchism" in train[0]

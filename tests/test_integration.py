@@ -1,0 +1,93 @@
+"""Integration tests on the real offline SmolLM2-135M (dequantized from its PyPI GGUF once).
+
+Marked ``integration``; `make test` (and CI) runs them. They use the user's model cache
+(``~/.cache/unimae`` or ``$UNIMAE_CACHE_REAL``), so only the first run pays the dequantization.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REAL_CACHE = os.environ.get("UNIMAE_CACHE_REAL", str(Path.home() / ".cache" / "unimae"))
+
+
+@pytest.fixture
+def real_cache(monkeypatch):
+    monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
+
+
+@pytest.fixture(scope="module")
+def smollm2_encoder():
+    os.environ.setdefault("UNIMAE_CACHE", REAL_CACHE)
+    from unimae.encoder import Encoder
+
+    old = os.environ.get("UNIMAE_CACHE")
+    os.environ["UNIMAE_CACHE"] = REAL_CACHE
+    try:
+        return Encoder.from_pretrained("smollm2-135m", pooling="eos", max_length=128)
+    finally:
+        if old is not None:
+            os.environ["UNIMAE_CACHE"] = old
+
+
+def test_train_a_few_steps_of_real_smollm2(real_cache, tmp_path):
+    from unimae.config import TrainConfig
+    from unimae.encoder import Encoder
+    from unimae.trainer import train
+
+    config = TrainConfig(
+        output_dir=str(tmp_path / "run"), steps=2, batch_size=4, micro_batch_size=2, max_length=48, save_every=1
+    )
+    result = train(config)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and 0 < r["mar"] < 20 and 0 < r["mrc"] < 20 for r in log)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["mask_token"] not in ("<|im_start|>", "<|im_end|>")
+    enc = Encoder.from_pretrained("smollm2-135m", adapter=str(result.adapter_dir), max_length=64)
+    assert enc.encode(["a sentence"]).shape == (1, 576)
+    with enc.adapter_disabled():
+        base_text = enc.generate("The capital of France is", max_new_tokens=6)
+    plain = Encoder.from_pretrained("smollm2-135m").generate("The capital of France is", max_new_tokens=6)
+    assert base_text == plain
+
+
+def test_real_model_embeddings_batch_and_padding_invariant(smollm2_encoder):
+    texts = [
+        "A man is playing a guitar.",
+        "Two dogs run through a snowy field near the old farm house.",
+        "",
+        "Stocks fell.",
+        "The cat sat on the mat while the children played outside in the rain.",
+    ]
+    ref = np.stack([smollm2_encoder.encode([t])[0] for t in texts])
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    for side in ("left", "right"):
+        smollm2_encoder.padding_side = side
+        got = smollm2_encoder.encode(texts, batch_size=3, normalize=True)
+        assert (got * ref).sum(1).min() >= 0.999, side
+    smollm2_encoder.padding_side = "right"
+
+
+def test_real_model_generates_sensible_text(smollm2_encoder):
+    text = smollm2_encoder.generate("What is the capital of France?", max_new_tokens=12, chat=True)
+    assert "Paris" in text
+
+
+def test_corrupt_gguf_cache_is_rebuilt(tmp_path, monkeypatch):
+    from unimae.models import load_model, resolve_model_path
+
+    monkeypatch.setenv("UNIMAE_CACHE", str(tmp_path / "cache"))
+    first = resolve_model_path("smollm2-135m")
+    weights = first / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(size // 2)  # a half-written cache entry
+    model, _, path = load_model("smollm2-135m")
+    assert path == first and weights.stat().st_size == size
+    assert model.config.hidden_size == 576
