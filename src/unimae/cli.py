@@ -133,6 +133,35 @@ def _evaluate_generation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from unimae.evaluation.compare import CompareConfig, run_compare
+
+    config = CompareConfig(
+        model=args.model,
+        adapters=args.adapter or [],
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        output_dir=Path(args.output_dir),
+        tasks=args.tasks,
+        reference=not args.no_reference,
+        generation=not args.no_generation,
+        generation_limit=args.generation_limit,
+        batch_size=args.batch_size,
+    )
+    tables = run_compare(config)
+    for name, table in tables.items():
+        print(f"\n{name}\n{table}")
+    print(f"\nwrote {config.output_dir}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from unimae.export import export
+
+    out = export(args.model, args.adapter, args.output, fmt=args.format, max_length=args.max_length)
+    print(f"wrote {args.format} export to {out}")
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from unimae.models import OFFLINE_MODELS
 
@@ -210,6 +239,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=int, default=16)
     gen.set_defaults(func=_evaluate_generation)
 
+    compare = sub.add_parser("compare", help="The paper's embedding and generation tables for one base model.")
+    compare.add_argument("--model", default="smollm2-135m")
+    compare.add_argument("--adapter", action="append", help="A trained adapter (repeat for several).")
+    compare.add_argument("--data-dir", help="Local data in the shared/data layout.")
+    compare.add_argument("--output-dir", default="results/compare")
+    compare.add_argument("--tasks", nargs="+", default=["dev"])
+    compare.add_argument("--batch-size", type=int, default=32)
+    compare.add_argument("--generation-limit", type=int, default=None, help="Items per generation task.")
+    compare.add_argument("--no-reference", action="store_true", help="Skip all-MiniLM-L6-v2.")
+    compare.add_argument("--no-generation", action="store_true", help="Skip the lm-eval table.")
+    compare.set_defaults(func=_compare)
+
+    exp = sub.add_parser("export", help="Export merged weights as a Hugging Face or sentence-transformers model.")
+    exp.add_argument("--model", default="smollm2-135m")
+    exp.add_argument("--adapter", default=None)
+    exp.add_argument("--format", default="hf", choices=("hf", "sentence-transformers"))
+    exp.add_argument("--output", required=True, help="A new (or empty) directory.")
+    exp.add_argument("--max-length", type=int, default=512, help="max_seq_length of the sentence-transformers export.")
+    exp.set_defaults(func=_export)
+
     models = sub.add_parser("models", help="List the offline models that ship on PyPI.")
     models.set_defaults(func=_models)
     return parser
@@ -222,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, ModuleNotFoundError, OSError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, ModuleNotFoundError, OSError) as err:
         print(f"unimae {args.command}: error: {err}", file=sys.stderr)
         return 2
 

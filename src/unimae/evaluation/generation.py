@@ -42,9 +42,8 @@ def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) ->
             if not files:
                 raise FileNotFoundError(f"generation task {name}: no .jsonl in {Path(data_dir) / 'generation' / name}")
         template = (LM_TASKS_DIR / f"unimae_{name}.yaml").read_text()
-        rendered = template.format(
-            data_dir=str(Path(data_dir or ".").resolve() / "generation"), heldout_file=str(heldout.resolve())
-        )
+        rendered = template.replace("@DATA_DIR@", str(Path(data_dir or ".").resolve() / "generation"))
+        rendered = rendered.replace("@HELDOUT_FILE@", str(heldout.resolve()))
         (target / f"unimae_{name}.yaml").write_text(rendered)
     (target / "winogrande_utils.py").write_text((LM_TASKS_DIR / "winogrande_utils.py").read_text())
     return target
