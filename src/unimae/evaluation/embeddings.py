@@ -191,14 +191,18 @@ def evaluate_model_on_tasks(
             _write_json_atomic(out / f"{name}.error.json", {"task": name, "error": message})
             (out / f"{name}.json").unlink(missing_ok=True)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
+    # Runs of the same label on other tasks add to its record; a task run again replaces its entry.
+    previous = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+    runtimes = {**previous.get("tasks", {}), **run.runtimes}
+    errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
     _write_json_atomic(
         out / "run.json",
         {
             **meta,
             "label": label,
             "versions": versions(),
-            "tasks": run.runtimes,
-            "errors": run.errors,
+            "tasks": runtimes,
+            "errors": errors,
             "data_dir": str(data_dir) if data_dir else None,
         },
     )
