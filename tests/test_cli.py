@@ -57,3 +57,12 @@ def test_wrong_model_path_is_a_clear_error(tmp_path, capsys):
 def test_wrong_adapter_path_is_a_clear_error(tiny_model_dirs, tmp_path, capsys):
     assert main(["embed", "--model", str(tiny_model_dirs["llama"]), "--adapter", str(tmp_path), "x"]) == 2
     assert "not an adapter directory" in capsys.readouterr().err
+
+
+def test_every_subcommand_is_wired():
+    from unimae.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["evaluate", "summary"], ["evaluate", "figures", "--data-dir", "x"], ["evaluate", "embeddings"],
+                 ["evaluate", "generation"], ["compare"], ["export", "--output", "x"], ["check"], ["train"]):
+        assert callable(parser.parse_args(argv).func), argv

