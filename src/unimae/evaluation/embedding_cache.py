@@ -34,7 +34,7 @@ class EmbeddingCache:
         self.namespace = namespace
         self.hits = 0
         self.misses = 0
-        self._db = sqlite3.connect(self.path)
+        self._db = sqlite3.connect(self.path, timeout=120)  # several evaluations may share one file
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS emb (ns TEXT, key TEXT, dim INTEGER, vec BLOB, PRIMARY KEY (ns, key))"
         )
