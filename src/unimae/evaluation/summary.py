@@ -1,8 +1,8 @@
 """Paper-style tables (UniMAE Table 1) computed from the per-task mteb result JSONs.
 
 Rows are compared methods (one folder of task JSONs each), columns the MTEB categories and the
-average over all tasks, all main scores x 100. A failed or missing task is named in the
-``missing`` column, and the averages it would enter are marked with ``*`` (computed over the
+average over all tasks, all main scores x 100. A failed (``<task>.error.json``) or not yet run task is
+named in the ``missing`` column, and the averages it would enter are marked with ``*`` (computed over the
 tasks that did run), so an incomplete row never passes for a complete one.
 """
 
@@ -29,6 +29,7 @@ class SummaryRow:
     task_scores: dict[str, float]  # task -> main score x 100
     task_types: dict[str, str]
     missing: list[str]
+    failed: list[str]
 
     def category(self, category: str) -> tuple[float | None, bool]:
         """(average, incomplete) for a category; None when no task of it ran."""
@@ -52,7 +53,7 @@ def read_row(folder: Path, tasks: list[str]) -> SummaryRow:
     """Main scores of ``tasks`` from ``folder/<task>.json`` (mteb's TaskResult format)."""
     from mteb.results import TaskResult
 
-    scores, types, missing = {}, {}, []
+    scores, types, missing, failed = {}, {}, [], []
     for name in tasks:
         types[name] = task_type(name)
         path = folder / f"{name}.json"
@@ -60,7 +61,9 @@ def read_row(folder: Path, tasks: list[str]) -> SummaryRow:
             scores[name] = float(TaskResult.from_disk(path).get_score()) * 100
         else:
             missing.append(name)
-    return SummaryRow(folder.name, scores, types, missing)
+            if (folder / f"{name}.error.json").is_file():
+                failed.append(name)
+    return SummaryRow(folder.name, scores, types, missing, failed)
 
 
 def _fmt(value: float | None, incomplete: bool = False) -> str:
@@ -79,7 +82,10 @@ def summary_table(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
         line = [row.label]
         line += [_fmt(*row.category(c)) for c, _ in present]
         line.append(_fmt(row.average, bool(row.missing)))
-        line += [_fmt(row.task_scores.get(t)) if t not in row.missing else "failed" for t in tasks]
+        line += [
+            _fmt(row.task_scores.get(t)) if t not in row.missing else ("failed" if t in row.failed else "not run")
+            for t in tasks
+        ]
         line.append(", ".join(row.missing))
         cells.append(line)
     return header, cells
