@@ -95,10 +95,6 @@ class TrainConfig:
     save_every: int = field(default=25, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
     merge: bool = field(default=False, metadata={"help": "Also export a merged Hugging Face model directory."})
 
-    @property
-    def trainable_lora(self) -> bool:
-        return not self.full_params
-
     def validate(self, world_size: int = 1) -> int:
         """Check the numbers and return the gradient-accumulation steps per process."""
         if self.recipe not in RECIPES:

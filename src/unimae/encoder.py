@@ -79,9 +79,6 @@ class Encoder:
     def embedding_dim(self) -> int:
         return self.model.config.hidden_size
 
-    def _decoder(self):
-        return self.model.get_decoder()
-
     @torch.inference_mode()
     def encode(
         self,
@@ -108,7 +105,7 @@ class Encoder:
             pool_mask, _ = pad_batch([inputs[i].pool for i in chosen], 0, self.padding_side)
             ids, mask, pool_mask = ids.to(self.device), mask.to(self.device), pool_mask.to(self.device)
             with autocast(self.precision, self.device):
-                hidden = self._decoder()(
+                hidden = self.model.get_decoder()(
                     input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
                 ).last_hidden_state  # (B, T, D)
             vectors = pool(hidden, pool_mask)  # (B, D)
