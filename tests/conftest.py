@@ -27,6 +27,12 @@ SENTENCES = [
 ]
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<extra_1>{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<extra_1>assistant:{% endif %}"
+)
+
+
 def build_tokenizer(add_bos: bool, with_mask: bool):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -47,9 +53,11 @@ def build_tokenizer(add_bos: bool, with_mask: bool):
             single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos_id)]
         )
     kwargs = {"mask_token": "<mask>"} if with_mask else {"additional_special_tokens": ["<extra_0>", "<extra_1>"]}
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", **kwargs
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(arch: str, vocab_size: int, seed: int = 0):

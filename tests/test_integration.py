@@ -49,7 +49,7 @@ def test_train_a_few_steps_of_real_smollm2(real_cache, tmp_path):
     assert all(np.isfinite(r["loss"]) and 0 < r["mar"] < 20 and 0 < r["mrc"] < 20 for r in log)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["mask_token"] not in ("<|im_start|>", "<|im_end|>")
-    enc = Encoder.from_pretrained("smollm2-135m", adapter=str(result.adapter_dir), max_length=64)
+    enc = Encoder.from_pretrained("smollm2-135m", adapter=str(result.adapter_dir), merge=False, max_length=64)
     assert enc.encode(["a sentence"]).shape == (1, 576)
     with enc.adapter_disabled():
         base_text = enc.generate("The capital of France is", max_new_tokens=6)

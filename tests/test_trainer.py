@@ -108,6 +108,13 @@ def test_merge_exports_plain_model_with_same_embeddings(tiny_model_dirs, corpus_
     result = train(_config(tiny, corpus_file, tmp_path / "run", steps=2, merge=True))
     merged = tmp_path / "run" / "merged"
     assert (merged / "config.json").is_file() and not (merged / "adapter_config.json").exists()
-    a = Encoder.from_pretrained(str(tiny), adapter=str(result.adapter_dir), precision="fp32").encode(["a cat"])
+    separate = Encoder.from_pretrained(str(tiny), adapter=str(result.adapter_dir), merge=False, precision="fp32")
+    in_memory = Encoder.from_pretrained(str(tiny), adapter=str(result.adapter_dir), precision="fp32")
+    a = separate.encode(["a cat"])
     b = Encoder.from_pretrained(str(merged), precision="fp32").encode(["a cat"])
+    c = in_memory.encode(["a cat"])
     torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(c), rtol=1e-4, atol=1e-4)
+    assert not any("lora" in name for name, _ in in_memory.model.named_modules())
+    with pytest.raises(RuntimeError, match="merge=False"):
+        in_memory.adapter_disabled()

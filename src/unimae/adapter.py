@@ -63,3 +63,13 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
     except RuntimeError as err:  # shape mismatch when the architecture differs
         raise ValueError(f"adapter {directory} does not fit this base model: {err}") from err
+
+
+def adapter_revision(adapter: str | None) -> str:
+    """Content hash of the adapter weights (the 'revision' of a trained model); 'base' without one."""
+    if adapter is None:
+        return "base"
+    digest = hashlib.sha256()
+    for path in sorted(Path(adapter).glob("adapter_model.*")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]

@@ -97,7 +97,7 @@ def run_check(
         sts = str(data / STSB_RELATIVE) if data and (data / STSB_RELATIVE).is_file() else None
     pairs = load_sts_pairs(sts) if sts else None
     paragraphs = enwiki_gensim_paragraphs("heldout")[:max_paragraphs]
-    encoder = Encoder.from_pretrained(model, adapter=adapter, pooling="eos", max_length=max_length)
+    encoder = Encoder.from_pretrained(model, adapter=adapter, pooling="eos", merge=False, max_length=max_length)
     settings = [("base mean", "mean", False), ("base eos", "eos", False)]
     if adapter:
         settings.append(("unimae eos", "eos", True))

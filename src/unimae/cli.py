@@ -1,4 +1,4 @@
-"""``unimae`` command line: train, embed, generate, check, models."""
+"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, models."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from unimae.config import add_config_arguments, resolve_config
+from unimae.config import add_config_arguments, add_dataclass_arguments, resolve_config
+from unimae.serving.config import ServerConfig
+
+logger = logging.getLogger(__name__)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -64,12 +68,9 @@ def _embed(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from unimae.encoder import Encoder
 
-    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, precision=args.precision)
-    if args.no_adapter:
-        with encoder.adapter_disabled():
-            print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
-    else:
-        print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+    adapter = None if args.no_adapter else args.adapter
+    encoder = Encoder.from_pretrained(args.model, adapter=adapter, precision=args.precision)
+    print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
     return 0
 
 
@@ -140,7 +141,9 @@ def _evaluate_figures(args: argparse.Namespace) -> int:
 
     out = Path(args.output_dir)
     texts, classes = clustering_sample(Path(args.data_dir))
-    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, max_length=128, precision=args.precision)
+    encoder = Encoder.from_pretrained(
+        args.model, adapter=args.adapter, merge=False, max_length=128, precision=args.precision
+    )
     with encoder.adapter_disabled():
         panels = {"base model, eos pooling": encoder.encode(texts)}
     if args.adapter:
@@ -197,6 +200,127 @@ def _export(args: argparse.Namespace) -> int:
 
     out = export(args.model, args.adapter, args.output, fmt=args.format, max_length=args.max_length)
     print(f"wrote {args.format} export to {out}")
+    return 0
+
+
+def _index(args: argparse.Namespace) -> int:
+    from unimae.adapter import adapter_revision
+    from unimae.corpus import load_passages
+    from unimae.encoder import Encoder
+    from unimae.index import IndexConfig, VectorIndex
+
+    config = IndexConfig(kind=args.kind, shard_size=args.shard_size, batch_size=args.batch_size)
+    passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
+    print(f"{len(passages)} passages from {args.corpus}")
+    encoder = Encoder.from_pretrained(
+        args.model, adapter=args.adapter, pooling="eos", max_length=args.max_length, precision=args.precision
+    )
+    source = {
+        "model": args.model,
+        "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
+        "adapter_revision": adapter_revision(args.adapter),
+        "corpus": args.corpus,
+    }
+    index = VectorIndex.build(encoder, passages, args.output_dir, config, source=source, overwrite=args.overwrite)
+    print(f"wrote a {config.kind} index of {len(index)} passages to {args.output_dir}")
+    return 0
+
+
+def _load_for_index(args: argparse.Namespace):
+    """The encoder an index was built with (its manifest's model and adapter unless overridden), and the index."""
+    from unimae.adapter import adapter_revision
+    from unimae.encoder import Encoder
+    from unimae.index import VectorIndex
+
+    index = VectorIndex.load(args.index)
+    model = args.model or index.manifest["model"]
+    adapter = args.adapter if args.adapter is not None else index.manifest.get("adapter")
+    if adapter_revision(adapter) != index.manifest.get("adapter_revision", "base"):
+        raise ValueError(
+            f"the index was built with adapter revision {index.manifest.get('adapter_revision')} but "
+            f"{adapter or 'no adapter'} is {adapter_revision(adapter)}; rebuild the index or pass its adapter"
+        )
+    encoder = Encoder.from_pretrained(
+        model,
+        adapter=adapter,
+        pooling=index.manifest["pooling"],
+        max_length=index.manifest["max_length"],
+        precision=args.precision,
+    )
+    return encoder, index
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from unimae.generation import GenerationParams
+    from unimae.rag import RAG, RAGAnswer, RAGConfig
+
+    encoder, index = _load_for_index(args)
+    rag = RAG(encoder, index, RAGConfig(k=args.k, reuse_kv=not args.no_kv_reuse))
+    params = GenerationParams(max_new_tokens=args.max_new_tokens)
+    answer = None
+    for item in rag.stream(args.question, params=params):
+        if isinstance(item, list) and not args.json:
+            for hit in item:
+                print(f"[{hit.id}] ({hit.score:.3f}) {hit.text[:100]}{'...' if len(hit.text) > 100 else ''}")
+            print()
+        elif isinstance(item, RAGAnswer):
+            answer = item
+        elif not args.json:
+            print(item, end="", flush=True)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "answer": answer.text,
+                    "passages": [{"id": h.id, "score": round(h.score, 4), "text": h.text} for h in answer.hits],
+                    "prompt_tokens": answer.prompt_tokens,
+                    "cached_prompt_tokens": answer.cached_tokens,
+                    "completion_tokens": answer.completion_tokens,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"\n\n({answer.prompt_tokens} prompt tokens, {answer.cached_tokens} from the query's embedding cache)")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ipaddress
+    import os
+
+    import uvicorn
+
+    from unimae.encoder import Encoder
+    from unimae.serving.app import create_app
+
+    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    values["api_key"] = values["api_key"] or os.environ.get("UNIMAE_API_KEY") or None
+    if values["model_name"] == ServerConfig.model_name:
+        values["model_name"] = Path(args.model).name if Path(args.model).exists() else args.model
+    config = ServerConfig(**values)
+    if args.index:
+        encoder, index = _load_for_index(args)
+    else:
+        encoder = Encoder.from_pretrained(
+            args.model or "smollm2-135m", adapter=args.adapter, max_length=args.max_length, precision=args.precision
+        )
+        index = None
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback:
+        logger.warning(
+            "binding %s exposes the server beyond this machine%s",
+            args.host,
+            "" if config.api_key else " WITHOUT an API key (pass --api-key)",
+        )
+    app = create_app(encoder, config, index)
+    print(
+        f"unimae serving {config.model_name} on http://{args.host}:{args.port} (Ctrl-C stops after in-flight requests)"
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0
 
 
@@ -311,6 +435,51 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output", required=True, help="A new (or empty) directory.")
     exp.add_argument("--max-length", type=int, default=512, help="max_seq_length of the sentence-transformers export.")
     exp.set_defaults(func=_export)
+
+    def index_model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None, help="Default: the model the index was built with.")
+        p.add_argument("--adapter", default=None, help="Default: the adapter the index was built with.")
+        p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+
+    idx = sub.add_parser("index", help="Build (or resume) a FAISS index of a corpus with [EOS] embeddings.")
+    model_args(idx)
+    idx.add_argument(
+        "--corpus",
+        default="enwiki-gensim:heldout",
+        help="enwiki-gensim[:train|:heldout], a .jsonl (id, text), .txt (one passage per line) or .parquet.",
+    )
+    idx.add_argument("--field", default="text", help="Text field of a .jsonl / .parquet corpus.")
+    idx.add_argument("--id-field", default="id", help="Id field of a .jsonl corpus (else the line number).")
+    idx.add_argument("--output-dir", default="runs/index")
+    idx.add_argument("--kind", default="flat", choices=("flat", "hnsw", "ivf"), help="flat = exact search.")
+    idx.add_argument("--shard-size", type=int, default=256, help="Passages per saved shard (the resume unit).")
+    idx.add_argument("--batch-size", type=int, default=16)
+    idx.add_argument("--max-length", type=int, default=512)
+    idx.add_argument("--overwrite", action="store_true", help="Rebuild an index folder made from other data.")
+    idx.set_defaults(func=_index)
+
+    ask = sub.add_parser("ask", help="Answer a question from an index with the same model (RAG).")
+    ask.add_argument("question")
+    ask.add_argument("--index", required=True, help="Folder written by `unimae index`.")
+    index_model_args(ask)
+    ask.add_argument("-k", type=int, default=3, help="Passages to retrieve.")
+    ask.add_argument("--max-new-tokens", type=int, default=128)
+    ask.add_argument("--no-kv-reuse", action="store_true", help="Prefill the whole prompt (no query-cache reuse).")
+    ask.add_argument("--json", action="store_true", help="Print the answer and passages as JSON.")
+    ask.set_defaults(func=_ask)
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server: embeddings, completions, chat (+ RAG with --index).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    index_model_args(serve)
+    serve.add_argument("--index", help="Also serve POST /v1/rag over this index (its model and adapter).")
+    serve.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-length", type=int, default=512, help="Tokens per embedding input (with EOS).")
+    add_dataclass_arguments(serve, ServerConfig)
+    serve.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="List the offline models that ship on PyPI.")
     models.set_defaults(func=_models)

@@ -143,19 +143,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per TrainConfig field, defaulting to 'not given' so precedence works."""
-    parser.add_argument("--config", help="JSON or YAML file with TrainConfig fields.")
-    for f in fields(TrainConfig):
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, suppress_defaults: bool = False) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls``, with its help text and default.
+
+    ``suppress_defaults``: leave unset flags out of the namespace (so a config file can fill them).
+    """
+    for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        kwargs = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS if suppress_defaults else default}
         if isinstance(default, bool):
-            parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            parser.add_argument(flag, dest=f.name, type=type(default), default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(flag, type=str if default is None else type(default), **kwargs)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per TrainConfig field, defaulting to 'not given' so precedence works."""
+    parser.add_argument("--config", help="JSON or YAML file with TrainConfig fields.")
+    add_dataclass_arguments(parser, TrainConfig, suppress_defaults=True)
 
 
 def resolve_config(args: argparse.Namespace | dict[str, Any]) -> TrainConfig:

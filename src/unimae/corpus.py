@@ -36,6 +36,11 @@ def enwiki_gensim_paragraphs(split: str = "train", min_chars: int = _MIN_PARAGRA
     Split by article: every 10th article (by position in the dump) is held out ("heldout") and
     never used for training ("train"), so checks on held-out text measure unseen articles.
     """
+    return [text for _, text in enwiki_gensim_passages(split, min_chars)]
+
+
+def enwiki_gensim_passages(split: str = "train", min_chars: int = _MIN_PARAGRAPH_CHARS) -> list[tuple[str, str]]:
+    """(id, paragraph) pairs of :func:`enwiki_gensim_paragraphs`; the id is ``"<article title>#<n>"``."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     try:
@@ -48,13 +53,15 @@ def enwiki_gensim_paragraphs(split: str = "train", min_chars: int = _MIN_PARAGRA
     dump = Path(gensim.__file__).parent / _ENWIKI
     paragraphs = []
     with bz2.open(dump) as handle:
-        for article, (_title, text, _pageid) in enumerate(extract_pages(handle)):
+        for article, (title, text, _pageid) in enumerate(extract_pages(handle)):
             if (article % 10 == 9) != (split == "heldout"):
                 continue
+            kept = 0
             for para in filter_wiki(text).split("\n"):
                 para = re.sub(r"'{2,}", "", para).strip()  # leftover bold/italic quote markup
                 if len(para) >= min_chars and para[-1] in ".!?\"'":
-                    paragraphs.append(para)
+                    kept += 1
+                    paragraphs.append((f"{title}#{kept}", para))
     return paragraphs
 
 
@@ -72,7 +79,11 @@ def _lines(path: Path):
 
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
-    texts = []
+    return [record[field] for _, record in _jsonl_records(path, field)]
+
+
+def _jsonl_records(path: Path, field: str):
+    """Yield (line number, record) for each non-empty line; each record must have a string ``field``."""
     for number, line in _lines(path):
         if not line.strip():
             continue
@@ -82,8 +93,7 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
             raise CorpusError(f"{path}, line {number}: not valid JSON ({err.msg})") from err
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise CorpusError(f"{path}, line {number}: expected an object with a string {field!r} field")
-        texts.append(record[field])
-    return texts
+        yield number, record
 
 
 def _read_parquet(path: Path, field: str) -> list[str]:
@@ -136,3 +146,31 @@ def load_texts(data: str = DEFAULT_CORPUS, field: str = "text") -> list[str]:
     if not kept:
         raise CorpusError(f"no usable text in {data}: the corpus is empty")
     return kept
+
+
+def load_passages(data: str = DEFAULT_CORPUS, field: str = "text", id_field: str = "id") -> list[tuple[str, str]]:
+    """(id, text) passages to index for retrieval.
+
+    ``enwiki-gensim`` (or ``enwiki-gensim:heldout`` / ``:train``) gives ``"<title>#<n>"`` ids; a .jsonl
+    file takes ids from ``id_field`` where present (else the line number); other sources number the texts.
+    Empty texts are dropped; duplicate ids are an error.
+    """
+    name, _, split = data.partition(":")
+    path = Path(data).expanduser()
+    if name == DEFAULT_CORPUS and not path.exists():
+        passages = enwiki_gensim_passages(split or "train")
+    elif path.suffix == ".jsonl" and path.is_file():
+        passages = [
+            (str(record.get(id_field, number)), record[field]) for number, record in _jsonl_records(path, field)
+        ]
+    else:
+        passages = [(str(i), text) for i, text in enumerate(load_texts(data, field))]
+    passages = [(pid, text.strip()) for pid, text in passages if text.strip()]
+    if not passages:
+        raise CorpusError(f"no usable text in {data}: the corpus is empty")
+    seen: set[str] = set()
+    for pid, _ in passages:
+        if pid in seen:
+            raise CorpusError(f"{data}: passage id {pid!r} occurs twice; ids must be unique")
+        seen.add(pid)
+    return passages

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from unimae.adapter import attach_adapter
+from unimae.generation import GenerationParams, generate_text
 from unimae.models import load_model
 from unimae.pooling import POOLINGS, build_inputs, pool
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
@@ -54,18 +55,36 @@ class Encoder:
         self.max_length = max_length
         self.precision = resolve_precision(precision, self.device)
         self.padding_side = padding_side
+        self.adapter_merged = False
 
     @classmethod
     def from_pretrained(
-        cls, model: str = "smollm2-135m", adapter: str | None = None, pooling: str = "eos", **kwargs
+        cls,
+        model: str = "smollm2-135m",
+        adapter: str | None = None,
+        pooling: str = "eos",
+        merge: bool = True,
+        **kwargs,
     ) -> Encoder:
-        """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``."""
+        """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``.
+
+        With ``merge`` (the default) the LoRA update is folded into the weights in fp32 and the result cast to
+        the run precision: inference then runs plain matmuls (about 2x faster on CPU than peft's unmerged
+        layers) and stays as close to the fp32 reference as the unmerged bf16 model. Pass ``merge=False`` to
+        keep the adapter separate, e.g. to compare with the base model through :meth:`adapter_disabled`.
+        """
         device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
         precision = resolve_precision(kwargs.get("precision", "auto"), device)
-        llm, tokenizer, _ = load_model(model, dtype=weight_dtype(precision))
+        dtype = weight_dtype(precision)
+        merged = adapter is not None and merge
+        llm, tokenizer, _ = load_model(model, dtype=torch.float32 if merged else dtype)
         if adapter is not None:
             llm = attach_adapter(llm, adapter)
-        return cls(llm, tokenizer, pooling=pooling, **kwargs)
+        if merged:
+            llm = llm.merge_and_unload().to(dtype)
+        encoder = cls(llm, tokenizer, pooling=pooling, **kwargs)
+        encoder.adapter_merged = merged
+        return encoder
 
     def with_pooling(self, pooling: str, **pooling_options) -> Encoder:
         """A view of this encoder (same loaded model) with another pooling."""
@@ -114,29 +133,44 @@ class Encoder:
             out[chosen] = vectors.cpu().numpy()
         return out[0] if single else out
 
+    @torch.inference_mode()
+    def encode_with_cache(self, text: str, normalize: bool = False) -> tuple[np.ndarray, list[int], object]:
+        """Embed one text and keep the forward pass's KV cache: (vector (D,), input ids, cache).
+
+        The ids are exactly what :meth:`encode` feeds the model, so a generation prompt that starts with
+        them can reuse the cache as its prefix (``unimae.rag``). The vector equals ``encode([text])[0]``.
+        """
+        item = build_inputs(self.pooling, self.tokenizer, [text], self.max_length, **self.pooling_options)[0]
+        ids = torch.tensor([item.ids], device=self.device)  # (1, T)
+        with autocast(self.precision, self.device):
+            out = self.model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        pool_mask = torch.tensor([item.pool], device=self.device)  # (1, T)
+        vector = pool(out.last_hidden_state, pool_mask)  # (1, D)
+        if normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        return vector[0].cpu().numpy(), list(item.ids), out.past_key_values
+
     def adapter_disabled(self):
         """Context manager: run the base model without the adapter (no-op without one)."""
+        if self.adapter_merged:
+            raise RuntimeError("the adapter is merged into the weights; load with merge=False to disable it")
         disable = getattr(self.model, "disable_adapter", None)
         return disable() if disable is not None else contextlib.nullcontext()
 
-    @torch.inference_mode()
-    def generate(
-        self, prompt: str, max_new_tokens: int = 64, do_sample: bool = False, chat: bool = False, **generate_kwargs
-    ) -> str:
-        """Generate a continuation of ``prompt`` with the same weights (greedy by default)."""
-        if chat:
+    def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: plain text, or (``chat`` / a message list) through the chat template."""
+        if chat or isinstance(prompt, list):
             if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("this tokenizer has no chat template; call generate without chat=True")
-            prompt = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        enc = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).to(self.device)
-        with autocast(self.precision, self.device):
-            output = self.model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                pad_token_id=self.tokenizer.pad_token_id,
-                **generate_kwargs,
-            )
-        return self.tokenizer.decode(output[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                raise ValueError("this tokenizer has no chat template; send a plain-text prompt instead")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def generate(
+        self, prompt: str, max_new_tokens: int = 64, chat: bool = False, params: GenerationParams | None = None
+    ) -> str:
+        """Generate a continuation of ``prompt`` with the same weights (greedy unless ``params`` say so)."""
+        params = params or GenerationParams(max_new_tokens=max_new_tokens)
+        ids = self.prompt_ids(prompt, chat=chat)
+        return generate_text(self.model, self.tokenizer, ids, params, precision=self.precision).text

@@ -9,7 +9,6 @@ beside them records model, adapter, pooling, revision, versions and each task's 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unimae.adapter import adapter_revision
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
 
 logger = logging.getLogger(__name__)
@@ -102,16 +102,6 @@ def inject_local_data(task, data_dir: Path) -> None:
         data = DatasetDict({split: Dataset.from_dict(cols) for split, cols in columns.items()})
         task.dataset = {subset: data for subset in task.hf_subsets} if task.metadata.is_multilingual else data
     task.data_loaded = True
-
-
-def adapter_revision(adapter: str | None) -> str:
-    """Content hash of the adapter weights (the 'revision' of a trained model); 'base' without one."""
-    if adapter is None:
-        return "base"
-    digest = hashlib.sha256()
-    for path in sorted(Path(adapter).glob("adapter_model.*")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def versions() -> dict[str, str]:
@@ -251,6 +241,7 @@ def evaluate_embeddings(
             max_length=encoder.max_length,
             precision=encoder.precision,
             options=encoder.pooling_options,
+            **({"merged": True} if encoder.adapter_merged else {}),
         )
         cache = EmbeddingCache(Path(output_dir) / "embedding_cache.sqlite", namespace)
     wrapped = MTEBEncoder(encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size)

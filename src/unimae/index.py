@@ -1,0 +1,254 @@
+"""A persistent FAISS vector index of passages, embedded with the model's [EOS] embeddings.
+
+Layout of an index folder::
+
+    manifest.json     model, adapter revision, pooling, dim, kind, passage fingerprint, complete flag
+    passages.jsonl    {"id", "text"} per passage, in index order
+    shards/00000.npy  (shard_size, D) float32 unit vectors, written one by one (resume point)
+    index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
+
+Every file is written to a temporary name and renamed into place, so a killed ``unimae index`` leaves
+finished shards and no half-written file; running it again resumes at the first missing shard. An
+index whose manifest says ``complete: false`` refuses to load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+INDEX_KINDS = ("flat", "hnsw", "ivf")
+FORMAT_VERSION = 1
+
+
+class VectorIndexError(RuntimeError):
+    """The index folder cannot be used as asked; the message says why and what to do."""
+
+
+@dataclass
+class IndexConfig:
+    """How passages are embedded and searched."""
+
+    kind: str = field(
+        default="flat", metadata={"help": "flat = exact search; hnsw or ivf = approximate, for large corpora."}
+    )
+    shard_size: int = field(default=256, metadata={"help": "Passages embedded and saved per shard (the resume unit)."})
+    batch_size: int = field(default=16, metadata={"help": "Passages per forward pass."})
+    hnsw_m: int = field(default=32, metadata={"help": "HNSW graph degree."})
+    ivf_nlist: int | None = field(default=None, metadata={"help": "IVF cells; default about 4*sqrt(N)."})
+    ivf_nprobe: int = field(default=16, metadata={"help": "IVF cells searched per query."})
+
+    def __post_init__(self):
+        if self.kind not in INDEX_KINDS:
+            raise ValueError(f"index kind must be one of {INDEX_KINDS}, got {self.kind!r}")
+        if self.shard_size < 1 or self.batch_size < 1:
+            raise ValueError("shard_size and batch_size must be >= 1")
+
+
+@dataclass
+class Hit:
+    """One retrieved passage: its id, text and cosine score."""
+
+    id: str
+    text: str
+    score: float
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    def write(tmp: Path):
+        tmp.write_text(text, encoding="utf-8")
+
+    _write_atomic(path, write)
+
+
+def passages_fingerprint(passages: list[tuple[str, str]]) -> str:
+    digest = hashlib.sha256()
+    for pid, text in passages:
+        digest.update(pid.encode() + b"\0" + text.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError("the vector index needs FAISS: pip install 'unimae[serve]' (faiss-cpu)") from err
+    return faiss
+
+
+def _build_faiss(vectors: np.ndarray, config: IndexConfig):
+    """vectors (N, D) float32 unit rows -> a FAISS inner-product index."""
+    faiss = _faiss()
+    n, dim = vectors.shape
+    if config.kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif config.kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    else:
+        nlist = config.ivf_nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))  # FAISS wants >= 39 points per cell
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.train(vectors)
+        index.nprobe = min(config.ivf_nprobe, nlist)
+    index.add(vectors)
+    return index
+
+
+class VectorIndex:
+    """Passages + their embeddings in FAISS. Build with :meth:`build`, open with :meth:`load`."""
+
+    def __init__(self, directory: Path, manifest: dict, passages: list[tuple[str, str]], index):
+        self.directory, self.manifest, self.passages, self.index = directory, manifest, passages, index
+
+    def __len__(self) -> int:
+        return len(self.passages)
+
+    @classmethod
+    def build(
+        cls,
+        encoder,
+        passages: list[tuple[str, str]],
+        directory: str | Path,
+        config: IndexConfig | None = None,
+        source: dict | None = None,
+        overwrite: bool = False,
+    ) -> VectorIndex:
+        """Embed ``passages`` with ``encoder`` shard by shard into ``directory`` (resuming), then index them.
+
+        ``source`` (model spec, adapter, corpus) is recorded in the manifest; an existing folder built from
+        other passages, another model or adapter is an error unless ``overwrite``.
+        """
+        config = config or IndexConfig()
+        directory = Path(directory)
+        shards = directory / "shards"
+        shards.mkdir(parents=True, exist_ok=True)
+        manifest = {
+            "format": FORMAT_VERSION,
+            **(source or {}),
+            "pooling": encoder.pooling,
+            "max_length": encoder.max_length,
+            "dim": encoder.embedding_dim,
+            "count": len(passages),
+            "passages": passages_fingerprint(passages),
+            "config": asdict(config),
+            "complete": False,
+        }
+        manifest_path = directory / "manifest.json"
+        if manifest_path.is_file() and not overwrite:
+            old = json.loads(manifest_path.read_text())
+            same = ("format", "model", "adapter_revision", "pooling", "max_length", "passages")
+            changed = [k for k in same if old.get(k) != manifest.get(k)]
+            if changed or old.get("config", {}).get("shard_size") != config.shard_size:
+                raise VectorIndexError(
+                    f"{directory} holds an index built with other {', '.join(changed) or 'shard_size'}; "
+                    "pass --overwrite to rebuild it or choose another --output-dir"
+                )
+        elif overwrite:
+            for stale in shards.glob("*.npy"):
+                stale.unlink()
+        _write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
+        _write_text(
+            directory / "passages.jsonl",
+            "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
+        )
+        starts = range(0, len(passages), config.shard_size)
+        todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), encoder.embedding_dim)]
+        if len(todo) < len(starts):
+            logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
+        for start in tqdm(todo, desc="index shards", unit="shard", disable=not todo):
+            texts = [text for _, text in passages[start : start + config.shard_size]]
+            vectors = encoder.encode(texts, batch_size=config.batch_size, normalize=True, show_progress=False)
+
+            def write(tmp: Path, vectors=vectors):
+                with open(tmp, "wb") as handle:
+                    np.save(handle, vectors.astype(np.float32))
+
+            _write_atomic(_shard_path(shards, start), write)
+        vectors = np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
+        index = _build_faiss(vectors, config)
+        faiss = _faiss()
+        _write_atomic(directory / "index.faiss", lambda tmp: faiss.write_index(index, str(tmp)))
+        manifest["complete"] = True
+        _write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
+        return cls(directory, manifest, passages, index)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> VectorIndex:
+        """Open a finished index folder; clear errors for a missing, incomplete or damaged one."""
+        directory = Path(directory)
+        manifest_path = directory / "manifest.json"
+        if not manifest_path.is_file():
+            raise VectorIndexError(
+                f"{directory} is not a unimae index (no manifest.json); build one with `unimae index`"
+            )
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as err:
+            raise VectorIndexError(
+                f"{manifest_path} is damaged ({err.msg}); rebuild with `unimae index --overwrite`"
+            ) from err
+        if not manifest.get("complete"):
+            raise VectorIndexError(
+                f"{directory} is incomplete (indexing was interrupted); rerun `unimae index` to resume"
+            )
+        passages = []
+        with open(directory / "passages.jsonl", encoding="utf-8") as handle:
+            for line in handle:
+                record = json.loads(line)
+                passages.append((record["id"], record["text"]))
+        faiss = _faiss()
+        try:
+            index = faiss.read_index(str(directory / "index.faiss"))
+        except RuntimeError as err:
+            raise VectorIndexError(
+                f"{directory / 'index.faiss'} cannot be read ({err}); rebuild with `unimae index`"
+            ) from err
+        if index.ntotal != len(passages) or len(passages) != manifest["count"]:
+            raise VectorIndexError(
+                f"{directory}: index holds {index.ntotal} vectors for {len(passages)} passages; rebuild it"
+            )
+        if manifest.get("config", {}).get("kind") == "ivf":
+            index.nprobe = manifest["config"].get("ivf_nprobe", 16)
+        return cls(directory, manifest, passages, index)
+
+    def search(self, queries: np.ndarray, k: int = 4) -> list[list[Hit]]:
+        """queries (Q, D) unit vectors -> the top-``k`` passages for each, best first."""
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
+        if queries.shape[1] != self.manifest["dim"]:
+            raise ValueError(f"query dimension {queries.shape[1]} != index dimension {self.manifest['dim']}")
+        scores, ids = self.index.search(queries, min(k, len(self.passages)))  # (Q, k) each
+        return [
+            [Hit(*self.passages[i], float(s)) for s, i in zip(row_s, row_i, strict=True) if i >= 0]
+            for row_s, row_i in zip(scores, ids, strict=True)
+        ]
+
+
+def _shard_path(shards: Path, start: int) -> Path:
+    return shards / f"{start:08d}.npy"
+
+
+def _shard_ok(shards: Path, start: int, size: int, total: int, dim: int) -> bool:
+    """True if the shard starting at ``start`` exists with the expected shape (a damaged one is redone)."""
+    path = _shard_path(shards, start)
+    if not path.is_file():
+        return False
+    try:
+        shape = np.load(path, mmap_mode="r").shape
+    except (ValueError, OSError, EOFError):
+        logger.warning("shard %s is damaged; embedding it again", path)
+        return False
+    return shape == (min(size, total - start), dim)

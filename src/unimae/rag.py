@@ -1,0 +1,133 @@
+"""Retrieve-and-generate with ONE model: the [EOS] embedding retrieves, the same weights answer.
+
+The generation prompt starts with exactly the token ids the query's embedding pass saw
+(``query + [EOS]``), so the KV cache of that pass is the prefix of the prompt: generation prefills only
+the passages and the instruction that follow (GritLM reuses caches the same way). With greedy decoding
+the answer is the same as without the cache (tests check it token for token); ``reuse_kv=False`` takes
+the uncached path for comparison.
+
+Prompt, as token ids: ``query [EOS]`` + the chat-templated user turn "Passages: [id] text ... Question:
+query ..." (the question is repeated next to the answer position, where a small model needs it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from unimae.generation import GenerationParams, GenerationResult, generate_stream
+from unimae.index import Hit, VectorIndex
+
+INSTRUCTION = (
+    "Answer the question using only the passages above. Cite the passages you use by their id in "
+    "square brackets, like [{example}]. If the passages do not contain the answer, say so."
+)
+
+
+@dataclass
+class RAGConfig:
+    """Retrieval and prompt options."""
+
+    k: int = field(default=3, metadata={"help": "Passages retrieved per question."})
+    max_passage_tokens: int = field(default=160, metadata={"help": "Each passage is cut to this many tokens."})
+    reuse_kv: bool = field(default=True, metadata={"help": "Reuse the query's embedding KV cache as prefix."})
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+
+
+@dataclass
+class RAGAnswer:
+    """An answer, the passages it was given, and how much of the prompt came from the cache."""
+
+    text: str
+    hits: list[Hit]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    seconds_to_first_token: float | None = None
+
+
+class RAG:
+    """Question answering over a :class:`VectorIndex` with one :class:`~unimae.encoder.Encoder`."""
+
+    def __init__(self, encoder, index: VectorIndex, config: RAGConfig | None = None):
+        if encoder.pooling != index.manifest.get("pooling"):
+            raise ValueError(
+                f"the index was built with {index.manifest.get('pooling')!r} pooling but the encoder uses "
+                f"{encoder.pooling!r}; load the encoder with the index's pooling"
+            )
+        if encoder.embedding_dim != index.manifest["dim"]:
+            raise ValueError(f"encoder dimension {encoder.embedding_dim} != index dimension {index.manifest['dim']}")
+        self.encoder, self.index, self.config = encoder, index, config or RAGConfig()
+
+    def retrieve(self, query: str, k: int | None = None) -> list[Hit]:
+        vector = self.encoder.encode([query], normalize=True)  # (1, D)
+        return self.index.search(vector, k or self.config.k)[0]
+
+    def _passage(self, hit: Hit) -> str:
+        ids = self.encoder.tokenizer(hit.text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.config.max_passage_tokens:
+            return hit.text
+        return self.encoder.tokenizer.decode(ids[: self.config.max_passage_tokens]) + " ..."
+
+    def prompt_tail(self, query: str, hits: list[Hit]) -> list[int]:
+        """Token ids that follow ``query [EOS]`` in the generation prompt."""
+        passages = "\n\n".join(f"[{hit.id}] {self._passage(hit)}" for hit in hits)
+        user = f"Passages:\n{passages}\n\nQuestion: {query}\n\n" + INSTRUCTION.format(
+            example=hits[0].id if hits else "id"
+        )
+        tokenizer = self.encoder.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            text = "\n" + tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = f"\n\n{user}\n\nAnswer:"
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def stream(
+        self, query: str, params: GenerationParams | None = None, k: int | None = None, reuse_kv: bool | None = None
+    ) -> Iterator[list[Hit] | str | RAGAnswer]:
+        """Yield the retrieved hits, then answer text pieces, then the :class:`RAGAnswer`."""
+        if not query.strip():
+            raise ValueError("the question is empty")
+        params = params or GenerationParams(max_new_tokens=128)
+        reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
+        vector, query_ids, cache = self.encoder.encode_with_cache(query, normalize=True)  # (D,), ids, KV
+        hits = self.index.search(vector[None], k or self.config.k)[0]
+        yield hits
+        ids = query_ids + self.prompt_tail(query, hits)
+        start, first = time.perf_counter(), None
+        result: GenerationResult | None = None
+        for item in generate_stream(
+            self.encoder.model,
+            self.encoder.tokenizer,
+            ids,
+            params,
+            precision=self.encoder.precision,
+            past_key_values=cache if reuse else None,
+        ):
+            if isinstance(item, GenerationResult):
+                result = item
+            else:
+                first = first if first is not None else time.perf_counter() - start
+                yield item
+        yield RAGAnswer(
+            text=result.text,
+            hits=hits,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=len(query_ids) if reuse else 0,
+            completion_tokens=result.completion_tokens,
+            finish_reason=result.finish_reason,
+            seconds_to_first_token=first,
+        )
+
+    def answer(self, query: str, **kwargs) -> RAGAnswer:
+        for item in self.stream(query, **kwargs):
+            if isinstance(item, RAGAnswer):
+                return item
+        raise RuntimeError("RAG ended without an answer")

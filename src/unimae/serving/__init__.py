@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``unimae serve``): app, request schemas, dynamic batching, settings."""

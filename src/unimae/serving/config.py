@@ -1,0 +1,26 @@
+"""Settings of ``unimae serve``: served model id, API key, request limits, batching (one flag each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    """Limits and behaviour of ``unimae serve`` (each is a ``--flag``)."""
+
+    model_name: str = field(default="unimae", metadata={"help": "Model id the API reports and accepts."})
+    api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (not /health)."})
+    max_inputs: int = field(default=256, metadata={"help": "Most texts in one embeddings request."})
+    on_too_long: str = field(default="truncate", metadata={"help": "Input over max_length tokens: truncate or error."})
+    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest request body accepted."})
+    max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens a request may ask for."})
+    default_chat_tokens: int = field(default=256, metadata={"help": "max_tokens of chat/RAG when not given."})
+    max_concurrent_generations: int = field(default=1, metadata={"help": "Generations running at once."})
+    max_queued_generations: int = field(default=32, metadata={"help": "Generations waiting; more get 429."})
+    batch_max_texts: int = field(default=64, metadata={"help": "Most texts per batched embedding forward pass."})
+    batch_wait_ms: float = field(default=10.0, metadata={"help": "Longest wait for more requests to batch."})
+
+    def __post_init__(self):
+        if self.on_too_long not in ("truncate", "error"):
+            raise ValueError(f"on_too_long must be 'truncate' or 'error', got {self.on_too_long!r}")

@@ -1,0 +1,105 @@
+"""OpenAI-format request bodies (pydantic) and the OpenAI-style error body.
+
+Only what unimae serves is accepted; unknown fields are ignored as OpenAI clients send extras
+(``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class APIError(Exception):
+    """An error returned to the client as ``{"error": {message, type, param, code}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        return {
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "server_error",
+        }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _as_list(value, name: str) -> list[str]:
+    """A string or a list of strings -> list of strings; token arrays are refused with a clear message."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"'{name}' must be a non-empty string or a non-empty list of strings")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise ValueError(f"'{name}[{i}]' is a {type(item).__name__}; send text (token arrays are not supported)")
+    return items
+
+
+class EmbeddingRequest(BaseModel):
+    input: str | list = Field(description="A text or a list of texts.")
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _texts(cls, value):
+        return _as_list(value, "input")
+
+
+class _Sampling(BaseModel):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        if value is None:
+            return []
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("'stop' takes up to 4 non-empty strings")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        prompts = _as_list(value, "prompt")
+        if len(prompts) != 1:
+            raise ValueError("send one prompt per request (a list of several prompts is not supported)")
+        return prompts[0]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class RAGRequest(BaseModel):
+    query: str = Field(min_length=1)
+    k: int = Field(default=3, ge=1, le=50)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    reuse_kv: bool = True

@@ -1,0 +1,88 @@
+"""Vector index (build, resume, damage) and one-model RAG with KV-cache reuse, on tiny models."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import SENTENCES
+
+from unimae.corpus import CorpusError, load_passages
+from unimae.encoder import Encoder
+from unimae.generation import GenerationParams
+from unimae.index import IndexConfig, VectorIndex, VectorIndexError
+from unimae.rag import RAG
+
+PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
+
+
+@pytest.fixture
+def encoder(tiny_dir):
+    return Encoder.from_pretrained(str(tiny_dir), precision="fp32", max_length=64)
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
+def test_index_finds_each_passage_by_its_own_text(tiny_model_dirs, tmp_path, kind):
+    enc = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=64)
+    index = VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(kind=kind, shard_size=5))
+    loaded = VectorIndex.load(tmp_path / "idx")
+    hits = loaded.search(enc.encode([t for _, t in PASSAGES], normalize=True), k=2)
+    assert [h[0].id for h in hits] == [pid for pid, _ in PASSAGES]
+    assert all(abs(h[0].score - 1) < 1e-4 for h in hits)
+    assert len(index) == len(loaded) == len(PASSAGES)
+
+
+def test_index_resumes_and_redoes_a_damaged_shard(encoder, tmp_path, monkeypatch):
+    config = IndexConfig(shard_size=4)
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", config)
+    shards = sorted((tmp_path / "idx" / "shards").glob("*.npy"))
+    assert len(shards) == 3
+    reference = np.load(shards[1])
+    shards[1].write_bytes(b"not a numpy file")
+    shards[2].unlink()
+    calls = []
+    original = encoder.encode
+    monkeypatch.setattr(encoder, "encode", lambda texts, **kw: calls.append(len(texts)) or original(texts, **kw))
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", config)
+    assert calls == [4, 4], "only the damaged and the missing shard are embedded again"
+    np.testing.assert_allclose(np.load(shards[1]), reference, atol=1e-6)
+
+
+def test_index_refuses_other_passages_and_incomplete_folders(encoder, tmp_path):
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", IndexConfig(shard_size=4))
+    with pytest.raises(VectorIndexError, match="--overwrite"):
+        VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx", IndexConfig(shard_size=4))
+    assert len(VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx", overwrite=True)) == 5
+    manifest = tmp_path / "idx" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "complete": False}))
+    with pytest.raises(VectorIndexError, match="resume"):
+        VectorIndex.load(tmp_path / "idx")
+    with pytest.raises(VectorIndexError, match="no manifest"):
+        VectorIndex.load(tmp_path / "nothing")
+
+
+def test_load_passages_ids_and_errors(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"id": "a", "text": "first"}\n{"text": "second"}\n\n{"id": "c", "text": "  "}\n')
+    assert load_passages(str(path)) == [("a", "first"), ("2", "second")]
+    path.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
+    with pytest.raises(CorpusError, match="twice"):
+        load_passages(str(path))
+
+
+def test_rag_kv_reuse_gives_the_same_answer(encoder, tmp_path):
+    rag = RAG(encoder, VectorIndex.build(encoder, PASSAGES, tmp_path / "idx"))
+    params = GenerationParams(max_new_tokens=12)
+    cached = rag.answer("where did the cat sit", params=params)
+    plain = rag.answer("where did the cat sit", params=params, reuse_kv=False)
+    assert cached.text == plain.text and cached.completion_tokens == plain.completion_tokens
+    assert cached.cached_tokens > 0 and plain.cached_tokens == 0
+    assert [h.id for h in cached.hits] == [h.id for h in plain.hits] and len(cached.hits) == 3
+    query_ids = encoder.encode_with_cache("where did the cat sit")[1]
+    prompt = query_ids + rag.prompt_tail("where did the cat sit", cached.hits)
+    assert cached.prompt_tokens == len(prompt)
+
+
+def test_encode_with_cache_matches_encode(encoder):
+    vector, ids, cache = encoder.encode_with_cache("the river flows north")
+    np.testing.assert_allclose(vector, encoder.encode(["the river flows north"])[0], atol=1e-5)
+    assert ids[-1] == encoder.tokenizer.eos_token_id and cache.get_seq_length() == len(ids)
