@@ -37,7 +37,7 @@ def build_tokenizer(add_bos: bool, with_mask: bool):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>" if with_mask else "<extra_0>", "<extra_1>"]
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>" if with_mask else "<extra_0>", "<extra_1>", "<extra_2>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
@@ -52,7 +52,8 @@ def build_tokenizer(add_bos: bool, with_mask: bool):
         tok.post_processor = processors.TemplateProcessing(
             single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos_id)]
         )
-    kwargs = {"mask_token": "<mask>"} if with_mask else {"additional_special_tokens": ["<extra_0>", "<extra_1>"]}
+    extra = ["<extra_1>", "<extra_2>"] if with_mask else ["<extra_0>", "<extra_1>", "<extra_2>"]
+    kwargs = {"additional_special_tokens": extra, **({"mask_token": "<mask>"} if with_mask else {})}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", **kwargs
     )

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
 ADAPTER_META = "unimae.json"
+INIT_ADAPTER = "init_adapter"  # a stage-1 adapter (kept inside a stage-2 one) merged into the base first
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path",
     "transformers_version",
@@ -51,16 +53,20 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
             "written by `unimae train`"
         )
     meta_path = directory / ADAPTER_META
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        expected = meta.get("base_fingerprint")
-        if expected and expected != base_fingerprint(model):
-            raise ValueError(
-                f"adapter {directory} was trained on base model {meta.get('base_model')!r}, not on the model "
-                f"loaded here; pass --model {meta.get('base_model')}"
-            )
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    expected = meta.get("base_fingerprint")
+    if expected and expected != base_fingerprint(model):
+        raise ValueError(
+            f"adapter {directory} was trained on base model {meta.get('base_model')!r}, not on the model "
+            f"loaded here; pass --model {meta.get('base_model')}"
+        )
+    if meta.get("init_adapter"):  # stage 2 trained on base + stage 1: merge stage 1 in fp32 first
+        dtype = next(model.parameters()).dtype
+        model = attach_adapter(model.float(), directory / meta["init_adapter"]).merge_and_unload().to(dtype)
     try:
-        return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
+        with warnings.catch_warnings():  # peft 0.21 calls a transformers API that transformers 5 deprecates
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
     except RuntimeError as err:  # shape mismatch when the architecture differs
         raise ValueError(f"adapter {directory} does not fit this base model: {err}") from err
 
@@ -73,3 +79,21 @@ def adapter_revision(adapter: str | None) -> str:
     for path in sorted(Path(adapter).glob("adapter_model.*")):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def adapter_meta(adapter: str | Path | None) -> dict:
+    """The unimae.json written next to an adapter by `unimae train` ({} without one)."""
+    if adapter is None:
+        return {}
+    path = Path(adapter) / ADAPTER_META
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def embedding_settings(adapter: str | Path | None) -> dict:
+    """How an adapter embeds: {"attention", "pooling", "pooling_options"} (causal + eos by default)."""
+    meta = adapter_meta(adapter).get("embedding", {})
+    return {
+        "attention": meta.get("attention", "causal"),
+        "pooling": meta.get("pooling", "eos"),
+        "pooling_options": meta.get("pooling_options", {}),
+    }

@@ -13,6 +13,8 @@ from unimae.config import add_config_arguments, add_dataclass_arguments, resolve
 from unimae.serving.config import ServerConfig
 
 logger = logging.getLogger(__name__)
+POOLING_CHOICES = ("auto", "eos", "mean", "echo", "summary")
+POOLING_HELP = "auto = what the adapter was trained for (eos for UniMAE, mean for MNTP, summary for GEM; else eos)."
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -213,7 +215,7 @@ def _index(args: argparse.Namespace) -> int:
     passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
     print(f"{len(passages)} passages from {args.corpus}")
     encoder = Encoder.from_pretrained(
-        args.model, adapter=args.adapter, pooling="eos", max_length=args.max_length, precision=args.precision
+        args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision
     )
     source = {
         "model": args.model,
@@ -356,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("texts", nargs="*", help="Texts to embed; if none, read --input or stdin.")
     embed.add_argument("--input", help="A .txt (one text per line) or .jsonl (text field) file; '-' for stdin.")
     embed.add_argument("--output", help="Write a .npy array instead of printing JSON lines.")
-    embed.add_argument("--pooling", default="eos", choices=("eos", "mean", "echo"))
+    embed.add_argument("--pooling", default="auto", choices=POOLING_CHOICES, help=POOLING_HELP)
     embed.add_argument("--batch-size", type=int, default=32)
     embed.add_argument("--max-length", type=int, default=512)
     embed.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings.")
@@ -381,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = evaluate.add_subparsers(dest="kind", required=True)
     emb = kinds.add_parser("embeddings", help="mteb tasks: a group (dev, mteb15) or task names.")
     model_args(emb)
-    emb.add_argument("--pooling", default="eos", choices=("eos", "mean", "echo"))
+    emb.add_argument("--pooling", default="auto", choices=POOLING_CHOICES, help=POOLING_HELP)
     emb.add_argument("--tasks", nargs="+", default=["dev"], help="Task groups 'dev' / 'mteb15' or mteb task names.")
     emb.add_argument("--data-dir", help="Local data in the shared/data layout (README); else mteb loads from the Hub.")
     emb.add_argument("--output-dir", default="results/embeddings")

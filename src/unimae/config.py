@@ -16,7 +16,7 @@ from typing import Any
 
 # Recipes override the defaults (which are the CPU recipe). The paper recipe is App. C of the
 # UniMAE paper: global batch 32, max length 512, 100 steps, LoRA r=16/alpha=32, lr 1e-4 constant.
-METHODS = ("unimae",)
+METHODS = ("unimae", "mntp", "simcse", "contrastive", "gem")
 
 RECIPES: dict[str, dict[str, Any]] = {
     "cpu": {},
@@ -25,8 +25,45 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class TrainConfig:
-    """Configuration of a UniMAE training run (Eq. 1-6 of the paper; METHOD.md section 1)."""
+class MNTPOptions:
+    """``--method mntp`` (LLM2Vec step 1): bidirectional attention, masked next-token prediction."""
+
+    mntp_p_mask: float = field(default=0.2, metadata={"help": "mntp: share of input tokens masked (LLM2Vec: 0.2)."})
+
+
+@dataclass
+class ContrastiveOptions:
+    """``--method simcse`` / ``contrastive`` (and GEM's contrastive term): InfoNCE on pooled embeddings."""
+
+    temperature: float = field(default=0.05, metadata={"help": "simcse/contrastive/gem: InfoNCE temperature."})
+    dropout: float = field(
+        default=0.1, metadata={"help": "simcse/gem: LoRA dropout that makes the two views of a text differ."}
+    )
+    pooling: str = field(
+        default="auto",
+        metadata={"help": "simcse/contrastive: pooling to train; auto = the --init-adapter's (eos without one)."},
+    )
+
+
+@dataclass
+class GEMOptions:
+    """``--method gem``: summary tokens + attention-mask rule, (1 - a) NTP + a contrastive."""
+
+    num_summary_tokens: int = field(default=1, metadata={"help": "gem: summary tokens per text."})
+    gem_plain_share: float = field(default=0.8, metadata={"help": "gem: share of plain-text rows for NTP."})
+    gem_switch_step: int = field(
+        default=100, metadata={"help": "gem: steps of NTP before the loss switches to contrastive (paper: 100)."}
+    )
+
+
+@dataclass
+class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
+    """Configuration of a training run: UniMAE (Eq. 1-6 of the paper; METHOD.md section 1) or a relative.
+
+    Method-specific options live in their own dataclasses (MNTPOptions, ContrastiveOptions, GEMOptions);
+    ``--full-params --p-mar 0 --alpha 1`` with ``--method unimae`` is the paper's domain post-training mode
+    (plain next-token training of all weights plus MRC).
+    """
 
     model: str = field(
         default="smollm2-135m",
@@ -47,6 +84,10 @@ class TrainConfig:
     )
     recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
     method: str = field(default="unimae", metadata={"help": f"Training objective, one of {METHODS}."})
+    init_adapter: str = field(
+        default="",
+        metadata={"help": "Start from this trained adapter (merged into the base), e.g. UniMAE then --method simcse."},
+    )
 
     steps: int = field(default=100, metadata={"help": "Optimizer steps (paper: 100)."})
     batch_size: int = field(default=16, metadata={"help": "Global batch size in texts (paper: 32)."})
@@ -105,6 +146,17 @@ class TrainConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if not 0.0 < self.mntp_p_mask < 1.0:
+            raise ValueError(f"mntp_p_mask must be in (0, 1), got {self.mntp_p_mask}")
+        if self.method in ("simcse", "contrastive", "gem") and self.micro_batch_size < 2:
+            raise ValueError(
+                f"--method {self.method} contrasts each text with the others in its micro-batch; "
+                f"micro_batch_size must be >= 2, got {self.micro_batch_size}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.num_summary_tokens < 1:
+            raise ValueError(f"num_summary_tokens must be >= 1, got {self.num_summary_tokens}")
         if self.max_length < 4:
             raise ValueError(f"max_length must be at least 4 tokens, got {self.max_length}")
         if self.steps < 1:

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from unimae.adapter import attach_adapter
+from unimae.adapter import attach_adapter, embedding_settings
+from unimae.attention import ATTENTION_RULES
 from unimae.generation import GenerationParams, generate_text
 from unimae.models import load_model
-from unimae.pooling import POOLINGS, build_inputs, pool
+from unimae.pooling import POOLINGS, build_inputs, pool, pooled_forward
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
 from unimae.runtime import tune_allocator
-from unimae.tokenization import pad_batch, position_ids_from_mask
+from unimae.tokenization import pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class Encoder:
         precision: str = "auto",
         device: torch.device | str | None = None,
         padding_side: str = "right",
+        attention: str = "causal",
         **pooling_options,
     ):
         if pooling not in POOLINGS:
@@ -56,17 +58,24 @@ class Encoder:
         self.precision = resolve_precision(precision, self.device)
         self.padding_side = padding_side
         self.adapter_merged = False
+        if attention not in ATTENTION_RULES:
+            raise ValueError(f"unknown attention rule {attention!r}; choose one of {ATTENTION_RULES}")
+        self.attention = attention
 
     @classmethod
     def from_pretrained(
         cls,
         model: str = "smollm2-135m",
         adapter: str | None = None,
-        pooling: str = "eos",
+        pooling: str = "auto",
         merge: bool = True,
         **kwargs,
     ) -> Encoder:
         """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``.
+
+        ``pooling='auto'`` takes the pooling the adapter was trained for (``eos`` for UniMAE, ``mean`` for
+        MNTP, ``summary`` for GEM; ``eos`` without an adapter); the attention rule (causal, bidirectional
+        for MNTP, gem) always comes from the adapter unless ``attention=`` is given.
 
         With ``merge`` (the default) the LoRA update is folded into the weights in fp32 and the result cast to
         the run precision: inference then runs plain matmuls (about 2x faster on CPU than peft's unmerged
@@ -75,6 +84,14 @@ class Encoder:
         """
         device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
         precision = resolve_precision(kwargs.get("precision", "auto"), device)
+        settings = embedding_settings(adapter)
+        if pooling == "auto":
+            pooling = settings["pooling"]
+            for key, value in settings["pooling_options"].items():
+                kwargs.setdefault(key, value)
+        elif pooling == "summary":
+            kwargs.setdefault("summary_ids", settings["pooling_options"].get("summary_ids", ()))
+        kwargs.setdefault("attention", settings["attention"])
         dtype = weight_dtype(precision)
         merged = adapter is not None and merge
         llm, tokenizer, _ = load_model(model, dtype=torch.float32 if merged else dtype)
@@ -124,10 +141,7 @@ class Encoder:
             pool_mask, _ = pad_batch([inputs[i].pool for i in chosen], 0, self.padding_side)
             ids, mask, pool_mask = ids.to(self.device), mask.to(self.device), pool_mask.to(self.device)
             with autocast(self.precision, self.device):
-                hidden = self.model.get_decoder()(
-                    input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
-                ).last_hidden_state  # (B, T, D)
-            vectors = pool(hidden, pool_mask)  # (B, D)
+                vectors = pooled_forward(self.model, ids, mask, pool_mask, self.attention)  # (B, D)
             if normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[chosen] = vectors.cpu().numpy()
@@ -140,6 +154,8 @@ class Encoder:
         The ids are exactly what :meth:`encode` feeds the model, so a generation prompt that starts with
         them can reuse the cache as its prefix (``unimae.rag``). The vector equals ``encode([text])[0]``.
         """
+        if self.attention != "causal":
+            raise ValueError(f"KV-cache reuse needs causal attention; this encoder embeds with {self.attention!r}")
         item = build_inputs(self.pooling, self.tokenizer, [text], self.max_length, **self.pooling_options)[0]
         ids = torch.tensor([item.ids], device=self.device)  # (1, T)
         with autocast(self.precision, self.device):

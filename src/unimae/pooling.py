@@ -6,6 +6,11 @@ exactly like the input, so it is correct for left and right padding alike:
 - ``mean``: all tokens of the text as the tokenizer makes them (paper row MEAN).
 - ``echo``: the text twice; the mask selects the second copy (Springer et al. 2024). Plain
   repetition by default, as in the UniMAE paper; ``echo_template`` wraps it in Echo's prompt.
+- ``summary``: GEM's summary tokens (``summary_ids``) appended after the text; the mask selects them
+  (their mean). Run it with the ``gem`` attention rule so the summary tokens cannot see each other.
+
+:func:`pooled_forward` runs a batch through the model under an attention rule and pools it; the
+Encoder and the contrastive training objectives share it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unimae.tokenization import encode_with_eos
+from unimae.attention import model_attention_mask
+from unimae.tokenization import encode_with_eos, position_ids_from_mask
 
 ECHO_PROMPT = ("Rewrite the sentence: ", ", rewritten sentence: ")
 
@@ -76,6 +82,32 @@ def _echo(tokenizer, texts, max_length, echo_template: bool = False, **_) -> lis
         first = prefix + before_ids + ids + between_ids
         out.append(PooledInput(first + ids, [0] * len(first) + [1] * len(ids)))
     return out
+
+
+@register_pooling("summary")
+def _summary(tokenizer, texts, max_length, summary_ids: Sequence[int] = (), **_) -> list[PooledInput]:
+    if not summary_ids:
+        raise ValueError("summary pooling needs summary_ids (the GEM summary tokens of the adapter)")
+    budget = max(1, max_length - len(summary_ids))
+    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=budget)["input_ids"]
+    summary = list(summary_ids)
+    return [PooledInput(ids + summary, [0] * len(ids) + [1] * len(summary)) for ids in encoded]
+
+
+def pooled_forward(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pool_mask: torch.Tensor, attention: str = "causal"
+) -> torch.Tensor:
+    """input_ids, attention_mask, pool_mask (B, T) -> (B, D) pooled last-layer states under ``attention``.
+
+    Positions count real tokens only, so the result does not depend on the padding side. For the ``gem``
+    rule the pooled tokens are the summary tokens.
+    """
+    summary = pool_mask.bool() if attention == "gem" else None
+    mask = model_attention_mask(attention, attention_mask, model, summary=summary)
+    hidden = model.get_decoder()(
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+    ).last_hidden_state  # (B, T, D)
+    return pool(hidden, pool_mask)
 
 
 def pool(hidden: torch.Tensor, pool_mask: torch.Tensor) -> torch.Tensor:

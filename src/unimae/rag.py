@@ -51,6 +51,28 @@ class RAGAnswer:
     seconds_to_first_token: float | None = None
 
 
+def prompt_tail(tokenizer, query: str, hits: list[Hit], max_passage_tokens: int = 160) -> list[int]:
+    """Token ids of the part of the RAG prompt after the query: passages, question, instruction, answer cue.
+
+    With a chat template it is one user turn (plus the assistant header); otherwise plain text ending
+    in "Answer:". Each passage is cut to ``max_passage_tokens`` tokens.
+    """
+
+    def cut(text: str) -> str:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= max_passage_tokens else tokenizer.decode(ids[:max_passage_tokens]) + " ..."
+
+    passages = "\n\n".join(f"[{hit.id}] {cut(hit.text)}" for hit in hits)
+    user = f"Passages:\n{passages}\n\nQuestion: {query}\n\n" + INSTRUCTION.format(example=hits[0].id if hits else "id")
+    if getattr(tokenizer, "chat_template", None):
+        text = "\n" + tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = f"\n\n{user}\n\nAnswer:"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 class RAG:
     """Question answering over a :class:`VectorIndex` with one :class:`~unimae.encoder.Encoder`."""
 
@@ -68,26 +90,9 @@ class RAG:
         vector = self.encoder.encode([query], normalize=True)  # (1, D)
         return self.index.search(vector, k or self.config.k)[0]
 
-    def _passage(self, hit: Hit) -> str:
-        ids = self.encoder.tokenizer(hit.text, add_special_tokens=False)["input_ids"]
-        if len(ids) <= self.config.max_passage_tokens:
-            return hit.text
-        return self.encoder.tokenizer.decode(ids[: self.config.max_passage_tokens]) + " ..."
-
     def prompt_tail(self, query: str, hits: list[Hit]) -> list[int]:
         """Token ids that follow ``query [EOS]`` in the generation prompt."""
-        passages = "\n\n".join(f"[{hit.id}] {self._passage(hit)}" for hit in hits)
-        user = f"Passages:\n{passages}\n\nQuestion: {query}\n\n" + INSTRUCTION.format(
-            example=hits[0].id if hits else "id"
-        )
-        tokenizer = self.encoder.tokenizer
-        if getattr(tokenizer, "chat_template", None):
-            text = "\n" + tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = f"\n\n{user}\n\nAnswer:"
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return prompt_tail(self.encoder.tokenizer, query, hits, self.config.max_passage_tokens)
 
     def stream(
         self, query: str, params: GenerationParams | None = None, k: int | None = None, reuse_kv: bool | None = None
@@ -97,7 +102,11 @@ class RAG:
             raise ValueError("the question is empty")
         params = params or GenerationParams(max_new_tokens=128)
         reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
-        vector, query_ids, cache = self.encoder.encode_with_cache(query, normalize=True)  # (D,), ids, KV
+        if self.encoder.attention == "causal" and self.encoder.pooling == "eos":
+            vector, query_ids, cache = self.encoder.encode_with_cache(query, normalize=True)  # (D,), ids, KV
+        else:  # the embedding pass is not a causal prefix of the prompt: nothing to reuse
+            vector, cache, reuse = self.encoder.encode([query], normalize=True)[0], None, False
+            query_ids = self.encoder.prompt_ids(query) + [self.encoder.tokenizer.eos_token_id]
         hits = self.index.search(vector[None], k or self.config.k)[0]
         yield hits
         ids = query_ids + self.prompt_tail(query, hits)

@@ -93,17 +93,26 @@ def choose_mask_token(tokenizer, requested: str = "auto") -> tuple[str, int]:
         return requested, token_id
     if tokenizer.mask_token_id is not None and tokenizer.mask_token_id not in reserved:
         return tokenizer.mask_token, tokenizer.mask_token_id
-    template = getattr(tokenizer, "chat_template", None) or ""
-    template = template if isinstance(template, str) else " ".join(template.values())
-    candidates = [
-        (token_id, added.content)
-        for token_id, added in tokenizer.added_tokens_decoder.items()
-        if added.special and token_id not in reserved and added.content not in template
-    ]
+    candidates = spare_special_tokens(tokenizer)
     if not candidates:
         raise ValueError(
             "the tokenizer has no spare special token to use as the MAR mask token; pass mask_token= "
             "with a token string from its vocabulary"
         )
-    token_id, content = max(candidates)
-    return content, token_id
+    return candidates[0]
+
+
+def spare_special_tokens(tokenizer) -> list[tuple[str, int]]:
+    """Special tokens plain text never contains: not BOS/EOS/PAD/UNK and not in the chat template.
+
+    Returned as (token, id), highest id first. Used for the MAR mask token and GEM's summary tokens.
+    """
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else " ".join(template.values())
+    found = [
+        (token_id, added.content)
+        for token_id, added in tokenizer.added_tokens_decoder.items()
+        if added.special and token_id not in reserved and added.content not in template
+    ]
+    return [(content, token_id) for token_id, content in sorted(found, reverse=True)]

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -21,16 +22,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from unimae.adapter import base_fingerprint, write_adapter_meta
+from unimae.adapter import INIT_ADAPTER, attach_adapter, base_fingerprint, embedding_settings, write_adapter_meta
 from unimae.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from unimae.config import TrainConfig
-from unimae.corpus import load_texts
-from unimae.losses import UniMAEObjective
-from unimae.masking import UniMAECollator
+from unimae.methods import Context, get_method, summary_tokens
 from unimae.models import load_model
 from unimae.precision import autocast, resolve_precision, weight_dtype
 from unimae.runtime import tune_allocator
-from unimae.tokenization import choose_mask_token, encode_with_eos
+from unimae.tokenization import choose_mask_token
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class _StopFlag:
         logger.warning("stop requested: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
 
 
-def _build_llm(config: TrainConfig, model):
+def _build_llm(config: TrainConfig, model, lora_dropout: float):
     if config.full_params:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -83,7 +82,7 @@ def _build_llm(config: TrainConfig, model):
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
+        lora_dropout=lora_dropout,
         target_modules=config.lora_target_modules,
         task_type="CAUSAL_LM",
     )
@@ -119,24 +118,33 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
 
     state = load_latest_checkpoint(out) if resume else None
     torch.manual_seed(config.seed)
-    texts = load_texts(config.data)
+    method = get_method(config.method)
+    texts = method.load_data(config)
     precision = resolve_precision(config.precision, accelerator.device)
     frozen_dtype = torch.float32 if config.full_params else weight_dtype(precision)
-    model, tokenizer, model_path = load_model(config.model, dtype=frozen_dtype)
+    model, tokenizer, model_path = load_model(
+        config.model, dtype=torch.float32 if config.init_adapter else frozen_dtype
+    )
     fingerprint = base_fingerprint(model)
+    if config.init_adapter:  # stage 2 (e.g. SimCSE after UniMAE/MNTP): the first adapter merged into the base
+        model = attach_adapter(model, config.init_adapter).merge_and_unload().to(frozen_dtype)
     if state is not None and state["fingerprint"] != fingerprint:
         raise ValueError(
             f"the checkpoint in {out} was trained on another base model ({state['model']}); "
             f"pass --model {state['model']} to resume it"
         )
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
-    llm = _build_llm(config, model)
+    ctx = Context(
+        tokenizer,
+        mask_id,
+        summary_tokens(tokenizer, config.num_summary_tokens) if config.method == "gem" else [],
+        embedding_settings(config.init_adapter or None),
+    )
+    llm = _build_llm(config, model, method.lora_dropout(config))
     if config.gradient_checkpointing:
         llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         llm.enable_input_require_grads()
-    objective = UniMAEObjective(
-        llm, config.alpha, config.max_length, config.ce_chunk_size, config.mrc_heads, config.mrc_intermediate_size
-    )
+    objective = method.objective(config, llm, ctx)
     objective.train()
     if state is not None:
         missing = set(state["trainable"]) - set(objective.state_dict())
@@ -175,9 +183,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         log_path.write_text("".join(line + "\n" for line in kept_log))
 
     order = DataOrder(len(texts), config.seed)
-    collate = UniMAECollator(
-        tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id, config.p_mar, config.p_mrc, config.seed
-    )
+    collate = method.collator(config, ctx)
     shard = config.batch_size // world
     stop = _StopFlag()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -208,54 +214,44 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
             tic = time.perf_counter()
             first = step * config.batch_size + accelerator.process_index * shard
             examples = list(range(first, first + shard))  # global example indices of this process
-            totals = {"loss": 0.0, "mar": 0.0, "mrc": 0.0}
+            totals: dict[str, float] = {}
             tokens = 0
+            if hasattr(objective, "step"):
+                objective.step = step  # for schedules over steps (GEM's 0 -> 1 switch)
             for micro in range(accum):
                 chosen = examples[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                ids = encode_with_eos(
-                    tokenizer, [texts[order.text_index(i)] for i in chosen], config.max_length, warn=False
-                )
-                batch = collate(ids, chosen).to(accelerator.device)
+                batch = collate([texts[order.text_index(i)] for i in chosen], chosen).to(accelerator.device)
                 tokens += batch.num_tokens
                 sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(wrapped)
                 with sync:
                     with autocast(precision, accelerator.device):
                         losses = wrapped(batch)
                     accelerator.backward(losses["loss"] / accum)
-                for key in totals:
-                    totals[key] += losses[key].item() / accum
+                for key, value in losses.items():
+                    totals[key] = totals.get(key, 0.0) + value.item() / accum
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
             grad_norm = float(accelerator.clip_grad_norm_(params, max_norm))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            stats = torch.tensor(
-                [totals["loss"], totals["mar"], totals["mrc"], tokens], dtype=torch.float64, device=accelerator.device
-            )
+            keys = sorted(totals)
+            stats = torch.tensor([totals[k] for k in keys] + [tokens], dtype=torch.float64, device=accelerator.device)
             stats = accelerator.reduce(stats, reduction="sum") if world > 1 else stats
             seconds = time.perf_counter() - tic
-            record = {
-                "step": step,
-                "loss": stats[0].item() / world,
-                "mar": stats[1].item() / world,
-                "mrc": stats[2].item() / world,
-                "grad_norm": grad_norm,
-                "lr": scheduler.get_last_lr()[0],
-                "tokens": int(stats[3].item()),
-                "seconds": round(seconds, 4),
-                "tokens_per_s": round(stats[3].item() / seconds, 1),
-                "elapsed": round(time.perf_counter() - t0, 2),
-            }
+            record = {"step": step, **{k: stats[i].item() / world for i, k in enumerate(keys)}}
+            record.update(
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                tokens=int(stats[-1].item()),
+                seconds=round(seconds, 4),
+                tokens_per_s=round(stats[-1].item() / seconds, 1),
+                elapsed=round(time.perf_counter() - t0, 2),
+            )
             if main:
                 with open(log_path, "a") as log:
                     log.write(json.dumps(record) + "\n")
-                bar.set_postfix(
-                    loss=f"{record['loss']:.3f}",
-                    mar=f"{record['mar']:.3f}",
-                    mrc=f"{record['mrc']:.3f}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                )
+                bar.set_postfix({**{k: f"{record[k]:.3f}" for k in keys}, "tok_s": f"{record['tokens_per_s']:.0f}"})
                 bar.update(1)
             if config.save_every and step % config.save_every == 0 and step < config.steps:
                 checkpoint(step)
@@ -270,12 +266,17 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         unwrapped = accelerator.unwrap_model(wrapped)
         unwrapped.llm.save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
+        if config.init_adapter and not config.full_params:
+            shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)
         write_adapter_meta(
             adapter_dir,
             fingerprint,
             config.model,
             trained_steps=step,
             mask_token=mask_token,
+            method=config.method,
+            embedding=method.embedding(config, ctx),
+            init_adapter=INIT_ADAPTER if config.init_adapter else None,
             training_config=config.to_dict(),
         )
         if config.merge and not config.full_params:

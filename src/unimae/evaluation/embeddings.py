@@ -209,7 +209,7 @@ def evaluate_embeddings(
     tasks: list[str],
     output_dir: Path,
     adapter: str | None = None,
-    pooling: str = "eos",
+    pooling: str = "auto",
     data_dir: Path | None = None,
     label: str | None = None,
     batch_size: int = 32,
@@ -230,6 +230,7 @@ def evaluate_embeddings(
     encoder = encoder or Encoder.from_pretrained(
         model, adapter=adapter, pooling=pooling, max_length=max_length, precision=precision
     )
+    pooling = encoder.pooling  # 'auto' resolved from the adapter
     revision = adapter_revision(adapter)
     label = label or default_label(model, adapter, pooling)
     cache = None
@@ -242,6 +243,7 @@ def evaluate_embeddings(
             precision=encoder.precision,
             options=encoder.pooling_options,
             **({"merged": True} if encoder.adapter_merged else {}),
+            **({"attention": encoder.attention} if encoder.attention != "causal" else {}),
         )
         cache = EmbeddingCache(Path(output_dir) / "embedding_cache.sqlite", namespace)
     wrapped = MTEBEncoder(encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size)
@@ -249,6 +251,7 @@ def evaluate_embeddings(
         "model": model,
         "adapter": adapter,
         "pooling": pooling,
+        "attention": encoder.attention,
         "revision": revision,
         "max_length": encoder.max_length,
         "precision": encoder.precision,

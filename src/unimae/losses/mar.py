@@ -23,10 +23,18 @@ class MARLoss(nn.Module):
         self.softcap = softcap
 
     def forward(
-        self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, output_head: nn.Module
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        output_head: nn.Module,
+        target_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``target_mask`` (B, T) bool: score only these tokens (MNTP: the masked ones); default all."""
         batch = hidden.shape[0]
         has_target = attention_mask[:, 1:].bool()  # (B, T-1) position t predicts token t+1
+        if target_mask is not None:
+            has_target = has_target & target_mask[:, 1:]
         rows = hidden[:, :-1][has_target]  # (n, D)
         targets = input_ids[:, 1:][has_target]  # (n,)
         example = torch.arange(batch, device=hidden.device)[:, None].expand_as(has_target)[has_target]  # (n,)

@@ -151,7 +151,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                 "max_tokens",
             )
         return GenerationParams(
-            max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stop or [], seed=body.seed
+            max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed
         )
 
     @contextlib.asynccontextmanager

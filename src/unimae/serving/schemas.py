@@ -62,7 +62,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
     seed: int | None = None
 
     @field_validator("stop")

@@ -1,0 +1,77 @@
+"""Attention-mask rules as explicit (B, T, T) tensors, handed to any transformers model as a 4D mask.
+
+transformers passes a ready 4D ``attention_mask`` straight to the attention implementation, for every
+architecture (Llama, Gemma3 and its sliding layers, Qwen2 ...), so a rule here needs no per-model code:
+
+- ``causal``: the model's own mask (nothing is built; the 2D padding mask is passed through);
+- ``bidirectional`` (LLM2Vec/MNTP): every real token sees every real token;
+- ``gem`` (GEM): causal, but tokens after the summary tokens cannot see the text before them, and
+  summary tokens cannot see each other (each sees the prefix and itself).
+
+``allowed[b, i, j]`` is True where query i may attend to key j. Padding rows see only themselves, so no
+row is empty (an empty row makes SDPA return NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ATTENTION_RULES = ("causal", "bidirectional", "gem")
+
+
+def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """attention_mask (B, T) 1 = real -> (B, T, T) bool: causal over real tokens."""
+    t = attention_mask.shape[1]
+    tril = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()  # (T, T)
+    real = attention_mask.bool()
+    return tril[None] & real[:, None, :] & real[:, :, None]  # (B, T, T)
+
+
+def bidirectional_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """attention_mask (B, T) -> (B, T, T) bool: every real token sees every real token."""
+    real = attention_mask.bool()
+    return real[:, None, :] & real[:, :, None]  # (B, T, T)
+
+
+def gem_allowed(attention_mask: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    """GEM mask. summary (B, T) bool marks summary tokens (one contiguous block per row, or none).
+
+    Starting from causal: (1) a token after the block cannot see tokens before the block;
+    (2) a summary token cannot see the other summary tokens. Rows without summary tokens stay causal.
+    """
+    allowed = causal_allowed(attention_mask)  # (B, T, T)
+    t = attention_mask.shape[1]
+    pos = torch.arange(t, device=attention_mask.device)
+    has = summary.any(1)  # (B,)
+    first = torch.where(has, summary.float().argmax(1), torch.full_like(has, t, dtype=torch.long))  # (B,)
+    last = torch.where(has, t - 1 - summary.flip(1).float().argmax(1), torch.full_like(first, t))  # (B,)
+    after = pos[None] > last[:, None]  # (B, T) query rows after the block
+    before = pos[None] < first[:, None]  # (B, T) key columns before the block
+    allowed &= ~(after[:, :, None] & before[:, None, :])
+    eye = torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None]
+    allowed &= ~(summary[:, :, None] & summary[:, None, :] & ~eye)
+    return allowed
+
+
+def to_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:
+    """(B, T, T) bool -> the 4D mask the model's attention implementation takes: (B, 1, T, T)."""
+    t = allowed.shape[1]
+    allowed = allowed | torch.eye(t, dtype=torch.bool, device=allowed.device)[None]  # no empty rows
+    implementation = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    if implementation == "eager":  # eager adds the mask to the scores
+        additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+        return additive.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
+    return allowed[:, None]
+
+
+def model_attention_mask(rule: str, attention_mask: torch.Tensor, model, summary: torch.Tensor | None = None):
+    """The ``attention_mask`` argument for ``model`` under ``rule`` (the 2D mask itself for 'causal')."""
+    if rule == "causal":
+        return attention_mask
+    if rule == "bidirectional":
+        return to_model_mask(bidirectional_allowed(attention_mask), model)
+    if rule == "gem":
+        if summary is None:
+            raise ValueError("the gem attention rule needs the summary-token positions")
+        return to_model_mask(gem_allowed(attention_mask, summary), model)
+    raise ValueError(f"unknown attention rule {rule!r}; choose one of {ATTENTION_RULES}")

@@ -1,0 +1,33 @@
+"""MNTP, LLM2Vec step 1 (BehnamGhader et al. 2024): masked next-token prediction under BIDIRECTIONAL attention.
+
+A share of input tokens is replaced by the mask token; with every token seeing every other, the
+state at position i - 1 predicts the ORIGINAL token i, scored only where token i was masked:
+``L_MNTP = mean_b mean_{i masked} CE(x_i | h_{i-1})``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unimae.attention import model_attention_mask
+from unimae.losses.mar import MARLoss
+
+
+class MNTPObjective(nn.Module):
+    """forward(batch) -> {"loss", "mntp"}; batch: input_ids, corrupted_ids, attention_mask, targets (B, T)."""
+
+    def __init__(self, llm: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.llm = llm
+        self.ntp = MARLoss(chunk_size, getattr(llm.config, "final_logit_softcapping", None))
+
+    def forward(self, batch) -> dict[str, torch.Tensor]:
+        mask = model_attention_mask("bidirectional", batch["attention_mask"], self.llm)
+        hidden = self.llm.get_decoder()(
+            input_ids=batch["corrupted_ids"], attention_mask=mask, use_cache=False
+        ).last_hidden_state  # (B, T, D)
+        loss = self.ntp(
+            hidden, batch["input_ids"], batch["attention_mask"], self.llm.get_output_embeddings(), batch["targets"]
+        )
+        return {"loss": loss, "mntp": loss.detach()}

@@ -1,0 +1,44 @@
+"""Contrastive objectives on pooled embeddings: unsupervised SimCSE and supervised (query, positive, negative).
+
+SimCSE (Gao et al. 2021): every text passes twice in one forward (the batch doubled); dropout (LoRA
+dropout) makes the two views differ; view 2 of text i is the positive of view 1, the other texts are
+negatives (InfoNCE, temperature 0.05). Supervised (UniMAE App. D): queries against their positives,
+with the other positives and the hard negatives as negatives. Both pool with any rule/attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unimae.losses.contrastive import info_nce
+from unimae.pooling import pooled_forward
+
+
+class SimCSEObjective(nn.Module):
+    """forward(batch) -> {"loss", "simcse"}; batch: input_ids, attention_mask, pool_mask (B, T)."""
+
+    def __init__(self, llm: nn.Module, temperature: float = 0.05, attention: str = "causal"):
+        super().__init__()
+        self.llm, self.temperature, self.attention = llm, temperature, attention
+
+    def forward(self, batch) -> dict[str, torch.Tensor]:
+        ids, mask, pool_mask = (torch.cat([batch[k], batch[k]]) for k in ("input_ids", "attention_mask", "pool_mask"))
+        z = pooled_forward(self.llm, ids, mask, pool_mask, self.attention)  # (2B, D) two dropout views
+        half = z.shape[0] // 2
+        loss = info_nce(z[:half], z[half:], self.temperature)
+        return {"loss": loss, "simcse": loss.detach()}
+
+
+class ContrastiveObjective(nn.Module):
+    """forward(batch) -> {"loss", "contrastive"}; batch rows: B queries, B positives, then hard negatives."""
+
+    def __init__(self, llm: nn.Module, temperature: float = 0.05, attention: str = "causal"):
+        super().__init__()
+        self.llm, self.temperature, self.attention = llm, temperature, attention
+
+    def forward(self, batch) -> dict[str, torch.Tensor]:
+        z = pooled_forward(self.llm, batch["input_ids"], batch["attention_mask"], batch["pool_mask"], self.attention)
+        b = int(batch["num_queries"])
+        loss = info_nce(z[:b], z[b:], self.temperature)  # (B, D) vs (B + negatives, D)
+        return {"loss": loss, "contrastive": loss.detach()}

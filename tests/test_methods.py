@@ -1,0 +1,157 @@
+"""Every training method on tiny random models: loss goes down on a tiny overfit, masks, chaining, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import SENTENCES
+
+from unimae.adapter import adapter_meta
+from unimae.config import METHODS, TrainConfig
+from unimae.corpus import CorpusError
+from unimae.encoder import Encoder
+from unimae.methods import METHOD_REGISTRY, Context, get_method, load_pairs, summary_tokens
+from unimae.models import load_model
+from unimae.trainer import train
+
+
+def _config(tiny_dir, data, out, **overrides):
+    values = dict(
+        model=str(tiny_dir),
+        data=str(data),
+        output_dir=str(out),
+        steps=12,
+        batch_size=4,
+        micro_batch_size=4,
+        max_length=24,
+        save_every=0,
+        precision="fp32",
+        lora_r=8,
+        lora_alpha=16,
+        lr=5e-3,
+        seed=0,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def small_corpus(tmp_path):
+    path = tmp_path / "four.txt"
+    path.write_text("\n".join(SENTENCES[:4]) + "\n")  # one batch, every step: overfit
+    return path
+
+
+@pytest.fixture
+def pairs_file(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"query": SENTENCES[i], "positive": SENTENCES[i + 4], "negative": SENTENCES[i + 8]} for i in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_registry_matches_config():
+    assert set(METHOD_REGISTRY) == set(METHODS)
+    with pytest.raises(ValueError, match="unknown method"):
+        get_method("bert")
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "extra"),
+    [
+        ("mntp", "mntp", {"mntp_p_mask": 0.3}),
+        ("simcse", "simcse", {"dropout": 0.1}),
+        ("contrastive", "contrastive", {}),
+        ("gem", "ntp", {"gem_switch_step": 100, "gem_plain_share": 0.5}),
+        ("gem", "contrastive", {"gem_switch_step": 0, "num_summary_tokens": 2}),
+    ],
+)
+def test_each_method_overfits_and_records_how_it_embeds(
+    tiny_dir, small_corpus, pairs_file, tmp_path, method, key, extra
+):
+    data = pairs_file if method == "contrastive" else small_corpus
+    result = train(_config(tiny_dir, data, tmp_path / "run", method=method, **extra))
+    log = _log(tmp_path / "run")
+    first, last = np.mean([r[key] for r in log[:3]]), np.mean([r[key] for r in log[-3:]])
+    assert last < first, (method, first, last)
+    meta = adapter_meta(result.adapter_dir)
+    assert meta["method"] == method
+    expected = {"mntp": ("bidirectional", "mean"), "gem": ("gem", "summary")}.get(method, ("causal", "eos"))
+    assert (meta["embedding"]["attention"], meta["embedding"]["pooling"]) == expected
+    enc = Encoder.from_pretrained(str(tiny_dir), adapter=str(result.adapter_dir), precision="fp32")
+    assert (enc.attention, enc.pooling) == expected
+    vectors = enc.encode(SENTENCES[:3])
+    assert vectors.shape[0] == 3 and np.isfinite(vectors).all()
+
+
+def test_simcse_after_unimae_chains_adapters(tiny_model_dirs, small_corpus, tmp_path):
+    tiny = tiny_model_dirs["llama"]
+    first = train(_config(tiny, small_corpus, tmp_path / "unimae", steps=2))
+    second = train(
+        _config(tiny, small_corpus, tmp_path / "simcse", steps=2, method="simcse", init_adapter=str(first.adapter_dir))
+    )
+    assert (second.adapter_dir / "init_adapter" / "adapter_config.json").is_file()
+    both = Encoder.from_pretrained(str(tiny), adapter=str(second.adapter_dir), precision="fp32").encode(SENTENCES[:2])
+    only_first = Encoder.from_pretrained(str(tiny), adapter=str(first.adapter_dir), precision="fp32").encode(
+        SENTENCES[:2]
+    )
+    assert not np.allclose(both, only_first), "the SimCSE stage changed the embeddings"
+    separate = Encoder.from_pretrained(str(tiny), adapter=str(second.adapter_dir), merge=False, precision="fp32")
+    np.testing.assert_allclose(separate.encode(SENTENCES[:2]), both, atol=1e-4)
+
+
+def test_mntp_then_simcse_keeps_bidirectional_mean(tiny_model_dirs, small_corpus, tmp_path):
+    tiny = tiny_model_dirs["qwen2"]
+    first = train(_config(tiny, small_corpus, tmp_path / "mntp", steps=2, method="mntp"))
+    second = train(
+        _config(tiny, small_corpus, tmp_path / "simcse", steps=2, method="simcse", init_adapter=str(first.adapter_dir))
+    )
+    enc = Encoder.from_pretrained(str(tiny), adapter=str(second.adapter_dir), precision="fp32")
+    assert (enc.attention, enc.pooling) == ("bidirectional", "mean")
+
+
+def test_mntp_collator_masks_only_inner_tokens_and_targets_them(tiny_model_dirs):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
+    config = TrainConfig(method="mntp", mntp_p_mask=0.5, max_length=32)
+    ctx = Context(
+        tokenizer, tokenizer.mask_token_id, [], {"attention": "causal", "pooling": "eos", "pooling_options": {}}
+    )
+    batch = get_method("mntp").collator(config, ctx)(SENTENCES[:4], [0, 1, 2, 3])
+    changed = batch["corrupted_ids"] != batch["input_ids"]
+    assert torch.equal(changed, batch["targets"]) and changed.any()
+    assert (batch["corrupted_ids"][changed] == tokenizer.mask_token_id).all()
+    real = batch["attention_mask"].bool()
+    lengths = real.sum(1)
+    for row, n in enumerate(lengths.tolist()):
+        assert not changed[row, 0] and not changed[row, n - 1], "BOS and EOS are never masked"
+
+
+def test_gem_collator_inserts_summary_tokens_in_some_rows(tiny_model_dirs):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
+    ids = summary_tokens(tokenizer, 2)
+    config = TrainConfig(method="gem", num_summary_tokens=2, gem_plain_share=0.5, max_length=32)
+    ctx = Context(tokenizer, tokenizer.mask_token_id, ids, {})
+    batch = get_method("gem").collator(config, ctx)(SENTENCES, list(range(len(SENTENCES))))
+    with_summary = batch["summary"].any(1)
+    assert 0 < int(with_summary.sum()) < len(SENTENCES), "some rows plain, some with summary tokens"
+    for row in torch.nonzero(with_summary).flatten().tolist():
+        where = torch.nonzero(batch["summary"][row]).flatten()
+        assert where.tolist() == list(range(int(where[0]), int(where[0]) + 2)), "one contiguous block"
+        assert batch["input_ids"][row, where].tolist() == ids and int(where[0]) >= 2, "after BOS + a token"
+    assert (batch["view_ids"][batch["view_pool"].bool()].view(-1, 2) == torch.tensor(ids)).all()
+
+
+def test_contrastive_data_errors(tmp_path, tiny_model_dirs):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "a", "positive": "b"}\n{"query": "c"}\n')
+    with pytest.raises(CorpusError, match="line 2.*positive"):
+        load_pairs(str(bad))
+    with pytest.raises(CorpusError, match="contrastive needs"):
+        load_pairs("enwiki-gensim")
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 2"):
+        TrainConfig(method="simcse", micro_batch_size=1, batch_size=4).validate()
