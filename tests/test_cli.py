@@ -63,6 +63,14 @@ def test_every_subcommand_is_wired():
     from unimae.cli import build_parser
 
     parser = build_parser()
-    for argv in (["evaluate", "summary"], ["evaluate", "figures", "--data-dir", "x"], ["evaluate", "embeddings"],
-                 ["evaluate", "generation"], ["compare"], ["export", "--output", "x"], ["check"], ["train"]):
+    for argv in (
+        ["evaluate", "summary"],
+        ["evaluate", "figures", "--data-dir", "x"],
+        ["evaluate", "embeddings"],
+        ["evaluate", "generation"],
+        ["compare"],
+        ["export", "--output", "x"],
+        ["check"],
+        ["train"],
+    ):
         assert callable(parser.parse_args(argv).func), argv

@@ -103,3 +103,20 @@ def test_corrupt_gguf_cache_is_rebuilt(tmp_path, monkeypatch):
     model, _, path = load_model("smollm2-135m")
     assert path == first and weights.stat().st_size == size
     assert model.config.hidden_size == 576
+
+
+def test_real_model_rag_reuses_the_query_cache_without_changing_the_answer(smollm2_encoder, tmp_path):
+    from unimae.corpus import load_passages
+    from unimae.generation import GenerationParams
+    from unimae.index import VectorIndex
+    from unimae.rag import RAG
+
+    passages = load_passages("enwiki-gensim:heldout")[:40]
+    rag = RAG(smollm2_encoder, VectorIndex.build(smollm2_encoder, passages, tmp_path / "index"))
+    question = " ".join(passages[7][1].split()[:12])
+    params = GenerationParams(max_new_tokens=24)
+    cached = rag.answer(question, params=params)
+    plain = rag.answer(question, params=params, reuse_kv=False)
+    assert [h.id for h in cached.hits] == [h.id for h in plain.hits] and len(cached.hits) == 3
+    assert cached.cached_tokens > 5 and cached.prompt_tokens > 200
+    assert cached.text == plain.text and cached.text.strip()

@@ -155,3 +155,15 @@ def test_contrastive_data_errors(tmp_path, tiny_model_dirs):
         load_pairs("enwiki-gensim")
     with pytest.raises(ValueError, match="micro_batch_size must be >= 2"):
         TrainConfig(method="simcse", micro_batch_size=1, batch_size=4).validate()
+
+
+def test_domain_post_training_mode_trains_all_weights(tiny_model_dirs, small_corpus, tmp_path):
+    tiny = tiny_model_dirs["gemma3"]
+    config = _config(tiny, small_corpus, tmp_path / "dpt", steps=3, full_params=True, p_mar=0.0, alpha=1.0, lr=1e-3)
+    result = train(config)
+    assert result.adapter_dir.name == "model" and (result.adapter_dir / "config.json").is_file()
+    log = _log(tmp_path / "dpt")
+    assert all(abs(r["loss"] - (r["mar"] + r["mrc"])) < 1e-4 for r in log), "alpha=1: L = L_MAR + L_MRC"
+    base = Encoder.from_pretrained(str(tiny), precision="fp32").encode(SENTENCES[:2])
+    tuned = Encoder.from_pretrained(str(result.adapter_dir), precision="fp32").encode(SENTENCES[:2])
+    assert not np.allclose(base, tuned)

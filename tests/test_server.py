@@ -39,9 +39,28 @@ def server(tiny_model_dirs, tmp_path_factory):
     source = {"model": model, "adapter": None, "adapter_revision": "base"}
     VectorIndex.build(encoder, [(f"p{i}", t) for i, t in enumerate(SENTENCES)], index_dir, source=source)
     port = _free_port()
-    cmd = [sys.executable, "-c", "from unimae.cli import main; raise SystemExit(main())", "serve",
-           "--index", str(index_dir), "--precision", "fp32", "--port", str(port), "--api-key", KEY,
-           "--model-name", "tiny", "--max-inputs", "8", "--max-body-bytes", "20000", "--max-new-tokens", "32"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from unimae.cli import main; raise SystemExit(main())",
+        "serve",
+        "--index",
+        str(index_dir),
+        "--precision",
+        "fp32",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--model-name",
+        "tiny",
+        "--max-inputs",
+        "8",
+        "--max-body-bytes",
+        "20000",
+        "--max-new-tokens",
+        "32",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(index_dir / "server.log", "w+")  # noqa: SIM115 - read back on failure
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)

@@ -7,6 +7,7 @@ Loading an adapter onto a different base model fails with a message saying which
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import warnings
@@ -42,6 +43,14 @@ def write_adapter_meta(directory: str | Path, fingerprint: str, model_spec: str,
     (Path(directory) / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """Silence the FutureWarning peft 0.21 triggers through a transformers API that transformers 5 deprecates."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
     """Wrap ``model`` with the PEFT adapter in ``adapter`` after checking it belongs to this base."""
     from peft import PeftModel
@@ -64,8 +73,7 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         dtype = next(model.parameters()).dtype
         model = attach_adapter(model.float(), directory / meta["init_adapter"]).merge_and_unload().to(dtype)
     try:
-        with warnings.catch_warnings():  # peft 0.21 calls a transformers API that transformers 5 deprecates
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with quiet_peft():
             return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
     except RuntimeError as err:  # shape mismatch when the architecture differs
         raise ValueError(f"adapter {directory} does not fit this base model: {err}") from err

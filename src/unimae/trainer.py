@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from unimae.adapter import INIT_ADAPTER, attach_adapter, base_fingerprint, embedding_settings, write_adapter_meta
+from unimae.adapter import (
+    INIT_ADAPTER,
+    attach_adapter,
+    base_fingerprint,
+    embedding_settings,
+    quiet_peft,
+    write_adapter_meta,
+)
 from unimae.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from unimae.config import TrainConfig
 from unimae.methods import Context, get_method, summary_tokens
@@ -86,7 +93,8 @@ def _build_llm(config: TrainConfig, model, lora_dropout: float):
         target_modules=config.lora_target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    with quiet_peft():
+        return get_peft_model(model, lora)
 
 
 def _trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
