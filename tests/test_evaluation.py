@@ -114,7 +114,13 @@ def test_cache_returns_identical_embeddings_and_scores(tiny_model_dirs, tiny_enc
         str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
     )
     second = evaluate_embeddings(
-        str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
+        str(tiny_model_dirs["llama"]),
+        ["STSBenchmark"],
+        tmp_path,
+        data_dir=data_slice,
+        label="a",
+        encoder=tiny_encoder,
+        rerun=True,
     )
     assert (
         first.cache_misses > 0
@@ -122,6 +128,11 @@ def test_cache_returns_identical_embeddings_and_scores(tiny_model_dirs, tiny_enc
         and second.cache_hits == first.cache_hits + first.cache_misses
     )
     assert first.scores == second.scores
+    resumed = evaluate_embeddings(  # the task's JSON exists for this model: not run again
+        str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
+    )
+    assert resumed.cache_hits == resumed.cache_misses == 0
+    assert resumed.scores == pytest.approx(first.scores, abs=1e-6)
     cache = EmbeddingCache(tmp_path / "c.sqlite", "ns")
     texts = ["a cat", "a dog", "a cat"]
     fresh = cache.get_or_compute(texts, lambda t: tiny_encoder.encode(t))

@@ -98,7 +98,14 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
 
         label = args.label or MINILM_LABEL
         run = evaluate_model_on_tasks(
-            load_minilm(), args.tasks, Path(args.output_dir), label, {"model": MINILM_LABEL}, data_dir, args.batch_size
+            load_minilm(),
+            args.tasks,
+            Path(args.output_dir),
+            label,
+            {"model": MINILM_LABEL},
+            data_dir,
+            args.batch_size,
+            args.rerun,
         )
     else:
         run = evaluate_embeddings(
@@ -113,6 +120,7 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
             max_length=args.max_length,
             precision=args.precision,
             use_cache=not args.no_cache,
+            rerun=args.rerun,
         )
     _, _, markdown = write_summary(Path(args.output_dir), [run.label], expand_tasks(args.tasks))
     print(markdown)
@@ -391,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     emb.add_argument("--batch-size", type=int, default=32)
     emb.add_argument("--max-length", type=int, default=512)
     emb.add_argument("--no-cache", action="store_true", help="Do not read or write the embedding cache.")
+    emb.add_argument(
+        "--rerun", action="store_true", help="Evaluate tasks again even if this model's result JSON exists."
+    )
     emb.add_argument(
         "--reference",
         action="store_true",

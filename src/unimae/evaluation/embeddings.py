@@ -144,14 +144,28 @@ def evaluate_model_on_tasks(
     meta: dict,
     data_dir: Path | None = None,
     batch_size: int = 32,
+    rerun: bool = False,
 ) -> EmbeddingRun:
-    """Evaluate an mteb-compatible ``model`` (ours or a SentenceTransformer) on ``tasks``."""
+    """Evaluate an mteb-compatible ``model`` (ours or a SentenceTransformer) on ``tasks``.
+
+    A task whose result JSON already exists under ``output_dir/label`` from a run of the same model
+    (same ``meta``) is not run again unless ``rerun``: an interrupted suite resumes where it stopped.
+    """
     import mteb
+    from mteb.results import TaskResult
 
     out = Path(output_dir) / label
     out.mkdir(parents=True, exist_ok=True)
     run = EmbeddingRun(label, out)
+    previous = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
+    defaults = {"attention": "causal"}  # results written before a key existed
+    same_model = bool(previous) and all(previous.get(k, defaults.get(k)) == v for k, v in meta.items())
     for name in expand_tasks(tasks):
+        done = out / f"{name}.json"
+        if done.is_file() and same_model and not rerun:
+            run.scores[name] = float(TaskResult.from_disk(done).get_score())
+            logger.info("%s: already evaluated for this model (%s); pass --rerun to redo it", name, done)
+            continue
         (out / f"{name}.error.json").unlink(missing_ok=True)
         start = time.perf_counter()
         try:
@@ -182,7 +196,6 @@ def evaluate_model_on_tasks(
             (out / f"{name}.json").unlink(missing_ok=True)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
     # Runs of the same label on other tasks add to its record; a task run again replaces its entry.
-    previous = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     runtimes = {**previous.get("tasks", {}), **run.runtimes}
     errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
     _write_json_atomic(
@@ -217,6 +230,7 @@ def evaluate_embeddings(
     precision: str = "auto",
     use_cache: bool = True,
     encoder=None,
+    rerun: bool = False,
 ) -> EmbeddingRun:
     """Evaluate unimae's Encoder (``model`` + ``adapter``, ``pooling``) on mteb ``tasks``.
 
@@ -257,7 +271,7 @@ def evaluate_embeddings(
         "precision": encoder.precision,
     }
     try:
-        run = evaluate_model_on_tasks(wrapped, tasks, Path(output_dir), label, meta, data_dir, batch_size)
+        run = evaluate_model_on_tasks(wrapped, tasks, Path(output_dir), label, meta, data_dir, batch_size, rerun)
     finally:
         if cache is not None:
             hits, misses = cache.hits, cache.misses
