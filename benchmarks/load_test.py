@@ -136,6 +136,7 @@ def server_load_test(args) -> dict:
         str(port),
         "--max-concurrent-generations",
         "1",
+        "--merge",  # serving favours speed; see README on the merge trade-off
     ]
     if args.adapter:
         cmd += ["--adapter", args.adapter]
@@ -198,7 +199,7 @@ def rag_worker(mode: str, args) -> dict:
     questions = [" ".join(passages[i][1].split()[:12]) for i in chosen]
     params = GenerationParams(max_new_tokens=args.max_tokens)
     load_start = time.perf_counter()
-    llm = Encoder.from_pretrained(args.model, adapter=args.adapter if mode == "one" else None)
+    llm = Encoder.from_pretrained(args.model, adapter=args.adapter if mode == "one" else None, merge=True)
     with tempfile.TemporaryDirectory() as tmp:
         if mode == "one":
             build_start = time.perf_counter()
@@ -221,18 +222,30 @@ def rag_worker(mode: str, args) -> dict:
 
             index = VectorIndex.build(MiniLMEncoder, passages, tmp, IndexConfig())
             build = time.perf_counter() - build_start
-        rows = []
+        rows, prefill = [], []
         for q, target in zip(questions, chosen, strict=True):
             start = time.perf_counter()
             if mode == "one":
-                hits = rag.answer(q, params=params).hits
+                answer = rag.answer(q, params=params)
+                hits, seconds = answer.hits, time.perf_counter() - start
+                plain = rag.answer(q, params=params, reuse_kv=False)  # the same question without the cache
+                prefill.append(
+                    {
+                        "ttft_reuse_s": answer.seconds_to_first_token,
+                        "ttft_plain_s": plain.seconds_to_first_token,
+                        "prompt_tokens": answer.prompt_tokens,
+                        "cached_tokens": answer.cached_tokens,
+                        "identical": answer.text == plain.text,
+                    }
+                )
             else:  # the same prompt, without a reusable cache: the retriever is another model
                 hits = index.search(np.asarray(MiniLMEncoder.encode([q])), 3)[0]
                 ids = llm.prompt_ids(q) + [llm.tokenizer.eos_token_id] + prompt_tail(llm.tokenizer, q, hits)
                 generate_text(llm.model, llm.tokenizer, ids, params, precision=llm.precision)
-            rows.append({"seconds": time.perf_counter() - start, "hit": hits[0].id == passages[target][0]})
+                seconds = time.perf_counter() - start
+            rows.append({"seconds": seconds, "hit": hits[0].id == passages[target][0]})
     seconds = [r["seconds"] for r in rows]
-    return {
+    result = {
         "mode": mode,
         "models": "SmolLM2 (embed + generate)" if mode == "one" else "all-MiniLM-L6-v2 + SmolLM2",
         "load_s": round(build_start - load_start, 1),
@@ -243,6 +256,18 @@ def rag_worker(mode: str, args) -> dict:
         "retrieval_acc_at_1": round(sum(r["hit"] for r in rows) / len(rows), 3),
         "peak_rss_gb": round(_max_rss_gb(), 2),
     }
+    if prefill:  # time to first token = retrieval done + prefill + first decode step, with and without reuse
+        reuse = [p["ttft_reuse_s"] for p in prefill if p["ttft_reuse_s"] is not None]
+        plain = [p["ttft_plain_s"] for p in prefill if p["ttft_plain_s"] is not None]
+        result["kv_reuse"] = {
+            "ttft_p50_reuse_s": round(percentile(reuse, 50), 4),
+            "ttft_p50_plain_s": round(percentile(plain, 50), 4),
+            "mean_prompt_tokens": round(statistics.mean(p["prompt_tokens"] for p in prefill), 1),
+            "mean_cached_tokens": round(statistics.mean(p["cached_tokens"] for p in prefill), 1),
+            "identical_answers": sum(p["identical"] for p in prefill),
+            "questions": len(prefill),
+        }
+    return result
 
 
 def _max_rss_gb() -> float:

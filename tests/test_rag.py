@@ -86,3 +86,11 @@ def test_encode_with_cache_matches_encode(encoder):
     vector, ids, cache = encoder.encode_with_cache("the river flows north")
     np.testing.assert_allclose(vector, encoder.encode(["the river flows north"])[0], atol=1e-5)
     assert ids[-1] == encoder.tokenizer.eos_token_id and cache.get_seq_length() == len(ids)
+
+
+def test_rag_refuses_a_prompt_over_the_context(encoder, tmp_path):
+    rag = RAG(encoder, VectorIndex.build(encoder, PASSAGES, tmp_path / "idx"))
+    with pytest.raises(ValueError, match="context"):
+        rag.answer("the cat " * 150, params=GenerationParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="empty"):
+        rag.answer("   ")

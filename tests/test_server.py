@@ -234,3 +234,51 @@ def test_dynamic_batcher_passes_errors_to_every_caller():
         return outs
 
     assert all(isinstance(o, RuntimeError) for o in asyncio.run(main()))
+
+
+def test_more_edge_cases_get_clean_4xx(server):
+    def chunks():
+        for _ in range(30):
+            yield b"x" * 1000  # 30 kB in chunks, no Content-Length: still 413
+
+    chunked = httpx.post(
+        server["base"] + "/v1/embeddings", content=chunks(), headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
+    assert chunked.status_code == 413 and "limit" in chunked.json()["error"]["message"]
+    assert _post(server, "/v1/rag", {"query": "   "}).status_code == 400
+    assert _post(server, "/v1/completions", {"prompt": "x", "seed": 2**70}).status_code == 400
+    assert _post(server, "/v1/embeddings", content=b"[" * 5000).status_code == 400
+    missing = _post(server, "/v1/nothing", {})
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monkeypatch):
+    import unimae.serving.app as app_module
+    from unimae.generation import GenerationResult
+    from unimae.serving.app import create_app
+    from unimae.serving.config import ServerConfig
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        yield "hi"
+        yield GenerationResult("hi", 1, 1, "stop")
+
+    monkeypatch.setattr(app_module, "generate_stream", slow)
+    monkeypatch.setattr(app_module, "generate_text", lambda *a, **k: list(slow())[-1])
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
+    app = create_app(encoder, ServerConfig(model_name="tiny", max_concurrent_generations=1, max_queued_generations=1))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            body = {"prompt": "the cat", "max_tokens": 4}
+            running = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.1)
+            queued = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.1)
+            rejected = await http.post("/v1/completions", json={**body, "stream": True})
+            return (await running).status_code, (await queued).status_code, rejected
+
+    first, second, rejected = asyncio.run(main())
+    assert (first, second) == (200, 200)
+    assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"

@@ -256,6 +256,7 @@ def _load_for_index(args: argparse.Namespace):
         pooling=index.manifest["pooling"],
         max_length=index.manifest["max_length"],
         precision=args.precision,
+        merge=True if getattr(args, "merge", False) else None,
     )
     return encoder, index
 
@@ -306,16 +307,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     values["api_key"] = values["api_key"] or os.environ.get("UNIMAE_API_KEY") or None
-    if values["model_name"] == ServerConfig.model_name:
-        values["model_name"] = Path(args.model).name if Path(args.model).exists() else args.model
-    config = ServerConfig(**values)
     if args.index:
         encoder, index = _load_for_index(args)
+        model = args.model or index.manifest["model"]
     else:
+        model = args.model or "smollm2-135m"
         encoder = Encoder.from_pretrained(
-            args.model or "smollm2-135m", adapter=args.adapter, max_length=args.max_length, precision=args.precision
+            model,
+            adapter=args.adapter,
+            max_length=args.max_length,
+            precision=args.precision,
+            merge=True if args.merge else None,
         )
         index = None
+    if values["model_name"] == ServerConfig.model_name:  # not given: name it after the model
+        values["model_name"] = Path(model).name if Path(model).exists() else model
+    config = ServerConfig(**values)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -491,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-length", type=int, default=512, help="Tokens per embedding input (with EOS).")
+    serve.add_argument(
+        "--merge",
+        action="store_true",
+        help="Merge the LoRA into bf16 weights: faster (esp. generation), embeddings slightly less faithful.",
+    )
     add_dataclass_arguments(serve, ServerConfig)
     serve.set_defaults(func=_serve)
 

@@ -12,6 +12,7 @@ query ..." (the question is repeated next to the answer position, where a small 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,13 +95,34 @@ class RAG:
         """Token ids that follow ``query [EOS]`` in the generation prompt."""
         return prompt_tail(self.encoder.tokenizer, query, hits, self.config.max_passage_tokens)
 
-    def stream(
-        self, query: str, params: GenerationParams | None = None, k: int | None = None, reuse_kv: bool | None = None
-    ) -> Iterator[list[Hit] | str | RAGAnswer]:
-        """Yield the retrieved hits, then answer text pieces, then the :class:`RAGAnswer`."""
+    def check_budget(self, query: str, max_new_tokens: int, prompt_tokens: int | None = None) -> None:
+        """ValueError for an empty question, or a prompt (``prompt_tokens``; else the question twice) that
+        leaves no room for ``max_new_tokens`` in the model's context."""
         if not query.strip():
             raise ValueError("the question is empty")
+        context = getattr(self.encoder.model.config, "max_position_embeddings", None)
+        if prompt_tokens is None:
+            prompt_tokens = 2 * (len(self.encoder.tokenizer(query, add_special_tokens=True)["input_ids"]) + 1)
+        if context is not None and prompt_tokens + max_new_tokens > context:
+            raise ValueError(
+                f"the prompt ({prompt_tokens} tokens) and {max_new_tokens} new tokens exceed the model's context "
+                f"of {context} tokens; shorten the question or lower k / max_tokens"
+            )
+
+    def stream(
+        self,
+        query: str,
+        params: GenerationParams | None = None,
+        k: int | None = None,
+        reuse_kv: bool | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[list[Hit] | str | RAGAnswer]:
+        """Yield the retrieved hits, then answer text pieces, then the :class:`RAGAnswer`.
+
+        ``cancel`` (set by a caller whose client left) ends the generation within a token.
+        """
         params = params or GenerationParams(max_new_tokens=128)
+        self.check_budget(query, params.max_new_tokens)
         reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
         if self.encoder.attention == "causal" and self.encoder.pooling == "eos":
             vector, query_ids, cache = self.encoder.encode_with_cache(query, normalize=True)  # (D,), ids, KV
@@ -108,8 +130,9 @@ class RAG:
             vector, cache, reuse = self.encoder.encode([query], normalize=True)[0], None, False
             query_ids = self.encoder.prompt_ids(query) + [self.encoder.tokenizer.eos_token_id]
         hits = self.index.search(vector[None], k or self.config.k)[0]
-        yield hits
         ids = query_ids + self.prompt_tail(query, hits)
+        self.check_budget(query, params.max_new_tokens, len(ids))
+        yield hits
         start, first = time.perf_counter(), None
         result: GenerationResult | None = None
         for item in generate_stream(
@@ -119,6 +142,7 @@ class RAG:
             params,
             precision=self.encoder.precision,
             past_key_values=cache if reuse else None,
+            cancel=cancel,
         ):
             if isinstance(item, GenerationResult):
                 result = item

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -25,8 +26,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
 from unimae.rag import RAG, RAGAnswer
@@ -37,16 +40,30 @@ from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, Emb
 logger = logging.getLogger(__name__)
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 before it is read into memory."""
+class _Guard:
+    """Pure ASGI middleware: API-key check (all routes but /health) and the request-body size limit.
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    A body over ``limit`` bytes gets 413 before it is read into memory, whether it announces its length
+    or streams in chunks. Pure ASGI (not ``BaseHTTPMiddleware``), so an error raised while reading the
+    body reaches the route's error handler unwrapped.
+    """
+
+    def __init__(self, app, limit: int, api_key: str | None):
+        self.app, self.limit, self.api_key = app, limit, api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        if self.api_key and scope.get("path") != "/health":
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                err = APIError(
+                    401, "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        length = headers.get(b"content-length")
         too_long = APIError(413, f"request body is larger than the server's limit of {self.limit} bytes")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await JSONResponse(too_long.body(), status_code=413)(scope, receive, send)
@@ -67,8 +84,8 @@ async def _parse(request: Request, model):
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {type(err).__name__}: {err}") from err
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -112,22 +129,14 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
     async def _api_error(request, err: APIError):
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, err: StarletteHTTPException):
+        return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
     @app.exception_handler(Exception)
     async def _unexpected(request, err: Exception):
         logger.exception("internal error on %s", request.url.path)
         return JSONResponse(APIError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), config.api_key.encode()):
-                err = APIError(
-                    401, "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:
@@ -154,12 +163,17 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed
         )
 
-    @contextlib.asynccontextmanager
-    async def generation_slot():
+    def reserve_slot() -> None:
+        """Queue for a generation, or 429 now (before any streamed response has sent its 200)."""
         nonlocal waiting
         if generations.locked() and waiting >= config.max_queued_generations:
             raise APIError(429, "too many generation requests are waiting; retry later", code="server_busy")
         waiting += 1
+
+    @contextlib.asynccontextmanager
+    async def generation_slot():
+        """Wait for a reserved slot, hold it while generating."""
+        nonlocal waiting
         try:
             await generations.acquire()
         finally:
@@ -209,6 +223,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
         }
 
     async def run_generation(ids: list[int], params: GenerationParams) -> GenerationResult:
+        reserve_slot()
         async with generation_slot():
             return await run_in_threadpool(
                 generate_text, encoder.model, tokenizer, ids, params, precision=encoder.precision
@@ -231,6 +246,9 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                         yield _sse(chunk(item, None))
         except APIError as err:
             yield _sse(err.body())
+        except Exception as err:  # the 200 is already sent: report in the stream, end it properly
+            logger.exception("generation failed mid-stream")
+            yield _sse(APIError(500, f"generation failed: {type(err).__name__}").body())
         finally:
             cancel.set()
         yield _sse("[DONE]")
@@ -262,6 +280,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
             }
 
         if body.stream:
+            reserve_slot()
             return StreamingResponse(stream_generation(ids, params, chunk), media_type="text/event-stream")
         result = await run_generation(ids, params)
         return {**chunk(result.text, result.finish_reason), "usage": usage(result)}
@@ -272,7 +291,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
         check_model(body.model)
         try:
             ids = encoder.prompt_ids([m.model_dump() for m in body.messages])
-        except ValueError as err:
+        except (ValueError, TemplateError) as err:
             raise APIError(400, str(err), "messages") from err
         params = sampling(body, config.default_chat_tokens, len(ids))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -288,6 +307,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
             }
 
         if body.stream:
+            reserve_slot()
             first = [chunk(None, None, role=True)]
             return StreamingResponse(stream_generation(ids, params, chunk, first), media_type="text/event-stream")
         result = await run_generation(ids, params)
@@ -331,18 +351,25 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                 },
             }
 
+        try:
+            rag.check_budget(body.query, params.max_new_tokens)
+        except ValueError as err:
+            raise APIError(400, str(err), "query") from err
+        reserve_slot()
+        cancel = threading.Event()
+        run = functools.partial(rag.stream, body.query, params=params, k=body.k, reuse_kv=body.reuse_kv, cancel=cancel)
         if not body.stream:
             async with generation_slot():
-                answer = await run_in_threadpool(
-                    rag.answer, body.query, params=params, k=body.k, reuse_kv=body.reuse_kv
-                )
+                try:
+                    answer = await run_in_threadpool(lambda: [x for x in run() if isinstance(x, RAGAnswer)][0])
+                except ValueError as err:
+                    raise APIError(400, str(err), "query") from err
             return answer_body(answer)
 
         async def events():
             try:
                 async with generation_slot():
-                    items = rag.stream(body.query, params=params, k=body.k, reuse_kv=body.reuse_kv)
-                    async for item in iterate_in_threadpool(items):
+                    async for item in iterate_in_threadpool(run()):
                         if isinstance(item, list):
                             yield _sse({"object": "rag.passages", "passages": passages(item)})
                         elif isinstance(item, RAGAnswer):
@@ -351,9 +378,14 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                             yield _sse({"object": "rag.delta", "text": item})
             except APIError as err:
                 yield _sse(err.body())
+            except Exception as err:  # the 200 is already sent: report in the stream, end it properly
+                logger.exception("RAG failed mid-stream")
+                yield _sse(APIError(500, f"RAG failed: {type(err).__name__}").body())
+            finally:
+                cancel.set()
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(_Guard, limit=config.max_body_bytes, api_key=config.api_key)
     return app

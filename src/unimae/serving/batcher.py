@@ -40,11 +40,16 @@ class DynamicBatcher:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="unimae-embedding-batcher")
 
     async def stop(self) -> None:
+        """Stop the loop; callers still queued get an error instead of waiting forever."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        while self._queue is not None and not self._queue.empty():
+            _, future = self._queue.get_nowait()
+            if not future.done():
+                future.set_exception(RuntimeError("the server is shutting down"))
 
     async def submit(self, texts: list[str]) -> np.ndarray:
         if self._task is None or self._task.done():

@@ -22,5 +22,8 @@ class ServerConfig:
     batch_wait_ms: float = field(default=10.0, metadata={"help": "Longest wait for more requests to batch."})
 
     def __post_init__(self):
+        for name in ("max_inputs", "max_body_bytes", "max_new_tokens", "max_concurrent_generations", "batch_max_texts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.on_too_long not in ("truncate", "error"):
             raise ValueError(f"on_too_long must be 'truncate' or 'error', got {self.on_too_long!r}")

@@ -63,7 +63,7 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
 
     @field_validator("stop")
     @classmethod
@@ -98,8 +98,15 @@ class ChatRequest(_Sampling):
 
 
 class RAGRequest(BaseModel):
-    query: str = Field(min_length=1)
+    query: str = Field(min_length=1, max_length=4000)
     k: int = Field(default=3, ge=1, le=50)
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     reuse_kv: bool = True
+
+    @field_validator("query")
+    @classmethod
+    def _query(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the question is empty")
+        return value
