@@ -60,7 +60,11 @@ def evaluate_generation(
     max_length: int = 2048,
     precision: str = "auto",
 ) -> dict:
-    """Run lm-eval on the live model (adapter merged); write ``generation.json``; return it."""
+    """Run lm-eval on the live model (adapter applied, not merged); write ``generation.json``; return it.
+
+    The adapter stays a separate LoRA (as in training): merging it into bf16 weights would round away
+    part of its update, so "generation unchanged" could not be told from "adapter partly lost".
+    """
     import lm_eval
     import torch
     from lm_eval.models.huggingface import HFLM
@@ -79,7 +83,7 @@ def evaluate_generation(
     resolved = resolve_precision(precision, default_device())
     model, tokenizer, _ = load_model(model_spec, dtype=weight_dtype(resolved))
     if adapter:
-        model = attach_adapter(model, adapter).merge_and_unload()
+        model = attach_adapter(model, adapter)  # peft casts inputs to the fp32 LoRA weights itself
     model.to(default_device()).eval()
     include = write_task_configs(output_dir / "lm_tasks", data_dir, tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
