@@ -122,6 +122,12 @@ def test_completions_and_chat_stream_equal_non_stream(client):
     pieces = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in pieces)
     assert chat.choices[0].message.role == "assistant" and text == chat.choices[0].message.content
+    parts = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "the dog ran"}]},
+    ]
+    same = client.chat.completions.create(model="tiny", messages=parts, max_completion_tokens=8, temperature=0)
+    assert same.usage.completion_tokens <= 8 and same.choices[0].message.content is not None
 
 
 def test_stop_string_cuts_the_completion(client):

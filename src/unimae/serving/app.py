@@ -290,7 +290,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
         body = await _parse(request, ChatRequest)
         check_model(body.model)
         try:
-            ids = encoder.prompt_ids([m.model_dump() for m in body.messages])
+            ids = encoder.prompt_ids([m.as_template_message() for m in body.messages])
         except (ValueError, TemplateError) as err:
             raise APIError(400, str(err), "messages") from err
         params = sampling(body, config.default_chat_tokens, len(ids))

@@ -89,12 +89,33 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value):
+        """Text, or OpenAI content parts of type "text" (joined); other part types are refused."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{i}]: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def as_template_message(self) -> dict:
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def model_post_init(self, context) -> None:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
 
 
 class RAGRequest(BaseModel):
