@@ -97,6 +97,18 @@ async def _parse(request: Request, model):
         raise APIError(400, f"invalid '{where}': {message}" if where else message, param=where) from err
 
 
+def _close_in_thread(generator) -> None:
+    """Close a sync generator off the event loop (its cleanup joins the generation thread)."""
+    if generator is None:
+        return
+
+    def close():
+        with contextlib.suppress(ValueError):  # still running in the pool: it ends once cancelled
+            generator.close()
+
+    threading.Thread(target=close, name="unimae-close-stream", daemon=True).start()
+
+
 def _sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -231,7 +243,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
 
     async def stream_generation(ids, params, chunk, first: list[dict] | None = None) -> AsyncIterator[bytes]:
         """SSE: ``chunk(text=..., finish=...)`` payloads, then [DONE]; the generation stops if the client leaves."""
-        cancel = threading.Event()
+        cancel, pieces = threading.Event(), None
         try:
             async with generation_slot():
                 for payload in first or []:
@@ -251,6 +263,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
             yield _sse(APIError(500, f"generation failed: {type(err).__name__}").body())
         finally:
             cancel.set()
+            _close_in_thread(pieces)
         yield _sse("[DONE]")
 
     def usage(result: GenerationResult) -> dict:
@@ -367,9 +380,11 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
             return answer_body(answer)
 
         async def events():
+            items = None
             try:
                 async with generation_slot():
-                    async for item in iterate_in_threadpool(run()):
+                    items = run()
+                    async for item in iterate_in_threadpool(items):
                         if isinstance(item, list):
                             yield _sse({"object": "rag.passages", "passages": passages(item)})
                         elif isinstance(item, RAGAnswer):
@@ -383,6 +398,7 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                 yield _sse(APIError(500, f"RAG failed: {type(err).__name__}").body())
             finally:
                 cancel.set()
+                _close_in_thread(items)
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -66,9 +66,15 @@ class DynamicBatcher:
             deadline = time.monotonic() + self.max_wait
             while size < self.max_batch_texts:
                 try:
-                    item = await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    break
+                    item = self._queue.get_nowait()  # already waiting: joins even with max_wait 0
+                except asyncio.QueueEmpty:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        item = await asyncio.wait_for(self._queue.get(), remaining)
+                    except asyncio.TimeoutError:
+                        break
                 if size + len(item[0]) > self.max_batch_texts:
                     await self._serve(loop, batch)  # the newcomer opens the next batch
                     batch, size, deadline = [item], len(item[0]), time.monotonic() + self.max_wait
