@@ -231,6 +231,7 @@ def _index(args: argparse.Namespace) -> int:
         "adapter_revision": adapter_revision(args.adapter),
         "corpus": args.corpus,
     }
+    source["merged"] = encoder.adapter_merged  # queries must be embedded the same way (see _load_for_index)
     index = VectorIndex.build(encoder, passages, args.output_dir, config, source=source, overwrite=args.overwrite)
     print(f"wrote a {config.kind} index of {len(index)} passages to {args.output_dir}")
     return 0
@@ -256,7 +257,7 @@ def _load_for_index(args: argparse.Namespace):
         pooling=index.manifest["pooling"],
         max_length=index.manifest["max_length"],
         precision=args.precision,
-        merge=True if getattr(args, "merge", False) else None,
+        merge=True if getattr(args, "merge", False) else index.manifest.get("merged"),
     )
     return encoder, index
 
