@@ -94,3 +94,20 @@ def test_rag_refuses_a_prompt_over_the_context(encoder, tmp_path):
         rag.answer("the cat " * 150, params=GenerationParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="empty"):
         rag.answer("   ")
+
+
+def test_index_and_ask_commands(tiny_model_dirs, tmp_path, capsys):
+    from unimae.cli import main
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in PASSAGES))
+    tiny = str(tiny_model_dirs["llama"])
+    out = str(tmp_path / "idx")
+    assert main(["index", "--model", tiny, "--corpus", str(corpus), "--output-dir", out, "--precision", "fp32"]) == 0
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["count"] == len(PASSAGES) and manifest["model"] == tiny
+    capsys.readouterr()
+    assert main(["ask", SENTENCES[2], "--index", out, "--json", "--max-new-tokens", "4", "--precision", "fp32"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["passages"][0]["id"] == "p2" and answer["cached_prompt_tokens"] > 0
+    assert main(["ask", "x", "--index", str(tmp_path / "missing")]) == 2

@@ -30,7 +30,7 @@ INDEX_KINDS = ("flat", "hnsw", "ivf")
 FORMAT_VERSION = 1
 
 
-class VectorIndexError(RuntimeError):
+class VectorIndexError(ValueError):
     """The index folder cannot be used as asked; the message says why and what to do."""
 
 
