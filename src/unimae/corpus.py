@@ -79,10 +79,10 @@ def _lines(path: Path):
 
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
-    return [record[field] for _, record in _jsonl_records(path, field)]
+    return [record[field] for _, record in jsonl_records(path, field)]
 
 
-def _jsonl_records(path: Path, field: str):
+def jsonl_records(path: Path, field: str):
     """Yield (line number, record) for each non-empty line; each record must have a string ``field``."""
     for number, line in _lines(path):
         if not line.strip():
@@ -161,7 +161,7 @@ def load_passages(data: str = DEFAULT_CORPUS, field: str = "text", id_field: str
         passages = enwiki_gensim_passages(split or "train")
     elif path.suffix == ".jsonl" and path.is_file():
         passages = [
-            (str(record.get(id_field, number)), record[field]) for number, record in _jsonl_records(path, field)
+            (str(record.get(id_field, number)), record[field]) for number, record in jsonl_records(path, field)
         ]
     else:
         passages = [(str(i), text) for i, text in enumerate(load_texts(data, field))]

@@ -18,7 +18,6 @@ pooling. Add a method with ``@register_method``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from unimae.config import TrainConfig
-from unimae.corpus import CorpusError, load_texts
+from unimae.corpus import CorpusError, jsonl_records, load_texts
 from unimae.masking import UniMAECollator, example_generator, mar_corrupt
 from unimae.pooling import build_inputs
 from unimae.tokenization import encode_with_eos, pad_batch, spare_special_tokens
@@ -195,20 +194,13 @@ def load_pairs(path: str) -> list[dict]:
             f"{path!r} is not such a file (recipes/make_pairs.py builds one from STSBenchmark train)"
         )
     records = []
-    with open(file, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CorpusError(f"{file}, line {number}: not valid JSON ({err.msg})") from err
-            missing = [k for k in ("query", "positive") if not isinstance(record.get(k), str) or not record[k].strip()]
-            if missing:
-                raise CorpusError(f"{file}, line {number}: missing or empty field(s) {missing}")
-            if "negative" in record and not isinstance(record["negative"], str):
-                raise CorpusError(f"{file}, line {number}: 'negative' must be a string")
-            records.append(record)
+    for number, record in jsonl_records(file, "query"):  # UTF-8, JSON and a string query, per line
+        missing = [k for k in ("query", "positive") if not isinstance(record.get(k), str) or not record[k].strip()]
+        if missing:
+            raise CorpusError(f"{file}, line {number}: missing or empty field(s) {missing}")
+        if "negative" in record and not isinstance(record["negative"], str):
+            raise CorpusError(f"{file}, line {number}: 'negative' must be a string")
+        records.append(record)
     if len(records) < 2:
         raise CorpusError(f"{file}: needs at least 2 pairs for in-batch negatives, found {len(records)}")
     return records

@@ -241,21 +241,20 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                 generate_text, encoder.model, tokenizer, ids, params, precision=encoder.precision
             )
 
-    async def stream_generation(ids, params, chunk, first: list[dict] | None = None) -> AsyncIterator[bytes]:
-        """SSE: ``chunk(text=..., finish=...)`` payloads, then [DONE]; the generation stops if the client leaves."""
-        cancel, pieces = threading.Event(), None
+    async def sse_events(make_items, render, cancel: threading.Event, first=()) -> AsyncIterator[bytes]:
+        """SSE from a sync generator run in a worker thread while holding a generation slot: ``first``
+        payloads, then ``render(item)`` for each item (None skips it), then [DONE]. An error after the 200
+        is reported in the stream; a client that leaves sets ``cancel`` and so stops the generation."""
+        items = None
         try:
             async with generation_slot():
-                for payload in first or []:
+                for payload in first:
                     yield _sse(payload)
-                pieces = generate_stream(
-                    encoder.model, tokenizer, ids, params, precision=encoder.precision, cancel=cancel
-                )
-                async for item in iterate_in_threadpool(pieces):
-                    if isinstance(item, GenerationResult):
-                        yield _sse(chunk(None, item.finish_reason))
-                    elif item:
-                        yield _sse(chunk(item, None))
+                items = make_items()
+                async for item in iterate_in_threadpool(items):
+                    payload = render(item)
+                    if payload is not None:
+                        yield _sse(payload)
         except APIError as err:
             yield _sse(err.body())
         except Exception as err:  # the 200 is already sent: report in the stream, end it properly
@@ -263,8 +262,22 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
             yield _sse(APIError(500, f"generation failed: {type(err).__name__}").body())
         finally:
             cancel.set()
-            _close_in_thread(pieces)
+            _close_in_thread(items)
         yield _sse("[DONE]")
+
+    def stream_generation(ids, params, chunk, first=()) -> AsyncIterator[bytes]:
+        """Completion/chat SSE: ``chunk(text, finish)`` payloads."""
+        cancel = threading.Event()
+
+        def render(item):
+            if isinstance(item, GenerationResult):
+                return chunk(None, item.finish_reason)
+            return chunk(item, None) if item else None
+
+        def pieces():
+            return generate_stream(encoder.model, tokenizer, ids, params, precision=encoder.precision, cancel=cancel)
+
+        return sse_events(pieces, render, cancel, first)
 
     def usage(result: GenerationResult) -> dict:
         return {
@@ -379,29 +392,14 @@ def create_app(encoder, config: ServerConfig | None = None, index=None) -> FastA
                     raise APIError(400, str(err), "query") from err
             return answer_body(answer)
 
-        async def events():
-            items = None
-            try:
-                async with generation_slot():
-                    items = run()
-                    async for item in iterate_in_threadpool(items):
-                        if isinstance(item, list):
-                            yield _sse({"object": "rag.passages", "passages": passages(item)})
-                        elif isinstance(item, RAGAnswer):
-                            yield _sse(answer_body(item))
-                        else:
-                            yield _sse({"object": "rag.delta", "text": item})
-            except APIError as err:
-                yield _sse(err.body())
-            except Exception as err:  # the 200 is already sent: report in the stream, end it properly
-                logger.exception("RAG failed mid-stream")
-                yield _sse(APIError(500, f"RAG failed: {type(err).__name__}").body())
-            finally:
-                cancel.set()
-                _close_in_thread(items)
-            yield _sse("[DONE]")
+        def render(item):
+            if isinstance(item, list):
+                return {"object": "rag.passages", "passages": passages(item)}
+            if isinstance(item, RAGAnswer):
+                return answer_body(item)
+            return {"object": "rag.delta", "text": item}
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse_events(run, render, cancel), media_type="text/event-stream")
 
     app.add_middleware(_Guard, limit=config.max_body_bytes, api_key=config.api_key)
     return app
