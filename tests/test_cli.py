@@ -74,3 +74,20 @@ def test_every_subcommand_is_wired():
         ["train"],
     ):
         assert callable(parser.parse_args(argv).func), argv
+
+
+def test_every_help_page_renders(capsys):
+    """argparse %-formats help text: a bare '%' in any option's help crashes ``--help``."""
+    import pytest
+
+    from unimae.cli import build_parser
+
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices
+    pages = [[name] for name in subcommands]
+    pages += [["evaluate", name] for name in subcommands["evaluate"]._subparsers._group_actions[0].choices]
+    for argv in pages:
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([*argv, "--help"])
+        assert stop.value.code == 0, argv
+        assert "usage:" in capsys.readouterr().out, argv

@@ -203,7 +203,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, suppress_defau
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")  # argparse formats help
         kwargs = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS if suppress_defaults else default}
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
