@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # The paper's Fig. 3a: UniMAE trained with p_mar in {0, 0.2, 0.4, 0.5, 0.6, 0.8}, dev-suite average vs p_mar.
 #   MODEL=smollm2-135m bash recipes/ablation_pmar.sh      (about 6 x 45 min on 2 CPU cores)
+# Environment: STEPS (training steps per point; default: the recipe's), TASKS (default "dev"; a
+# space-separated task list for a cheaper run), P_MARS (the grid), RUNS, OUT.
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
 RUNS=${RUNS:-runs/$MODEL-pmar}
 OUT=${OUT:-results/ablation-pmar-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
+TASKS=${TASKS:-dev}
+P_MARS=${P_MARS:-0 0.2 0.4 0.5 0.6 0.8}
+steps=()
+if [ -n "${STEPS:-}" ]; then steps=(--steps "$STEPS"); fi
 labels=()
-for p in 0 0.2 0.4 0.5 0.6 0.8; do
+for p in $P_MARS; do
   if [ ! -f "$RUNS/p$p/adapter/adapter_config.json" ]; then
-    $UNIMAE train --model "$MODEL" --p-mar "$p" --output-dir "$RUNS/p$p"
+    $UNIMAE train --model "$MODEL" --p-mar "$p" "${steps[@]}" --output-dir "$RUNS/p$p"
   fi
-  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/p$p/adapter" --tasks dev --data-dir "$DATA" \
+  # shellcheck disable=SC2086  # TASKS is a word list on purpose
+  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/p$p/adapter" --tasks $TASKS --data-dir "$DATA" \
     --output-dir "$OUT" --label "p_mar=$p"
   labels+=("p_mar=$p")
 done

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # The paper's Table 1 (dev suite) for one base model: MEAN, ECHO, MNTP, UniMAE, MNTP+SimCSE,
-# UniMAE+SimCSE, GEM, and all-MiniLM-L6-v2 as the reference row. Every stage resumes: rerunning
-# skips finished training runs (their adapter exists) and finished tasks (their JSON exists).
-#   MODEL=smollm2-135m bash recipes/table1.sh        (about 8 h on 2 CPU cores)
+# UniMAE+SimCSE, GEM, and all-MiniLM-L6-v2 as the reference row. Each row trains (if needed) and is then
+# evaluated, so rows land one by one. Every stage resumes: rerunning skips finished training runs (their
+# adapter exists) and finished tasks (their JSON exists for the same model, adapter and pooling).
+#   MODEL=smollm2-135m bash recipes/table1.sh        (about 8 h on 2 CPU cores with TASKS=dev)
 #   MODEL=gemma3-270m  bash recipes/table1.sh
+# Environment: TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS (training
+# runs), OUT (results), GEM_STEPS / GEM_SWITCH (GEM's length and its NTP -> contrastive switch step; the
+# paper switches after 100 steps).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
 RUNS=${RUNS:-runs/$MODEL}
 OUT=${OUT:-results/table1-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
+TASKS=${TASKS:-dev}
+GEM_STEPS=${GEM_STEPS:-200}
+GEM_SWITCH=${GEM_SWITCH:-100}
 
 train() {  # name, then train flags
   local name=$1; shift
@@ -19,23 +26,23 @@ train() {  # name, then train flags
 }
 evaluate() {  # label, then evaluate flags
   local label=$1; shift
-  $UNIMAE evaluate embeddings --model "$MODEL" --tasks dev --data-dir "$DATA" --output-dir "$OUT" --label "$label" "$@"
+  # shellcheck disable=SC2086  # TASKS is a word list on purpose
+  $UNIMAE evaluate embeddings --model "$MODEL" --tasks $TASKS --data-dir "$DATA" --output-dir "$OUT" \
+    --label "$label" "$@"
 }
 
-train unimae --method unimae
-train mntp --method mntp
-train unimae-simcse --method simcse --init-adapter "$RUNS/unimae/adapter"
-train mntp-simcse --method simcse --init-adapter "$RUNS/mntp/adapter"
-# GEM: 100 NTP steps, then the contrastive switch (paper: after the first 100 steps)
-train gem --method gem --steps 200 --gem-switch-step 100
-
-evaluate MEAN --pooling mean
-evaluate ECHO --pooling echo
-evaluate MNTP --adapter "$RUNS/mntp/adapter"
-evaluate UniMAE --adapter "$RUNS/unimae/adapter"
-evaluate MNTP+SimCSE --adapter "$RUNS/mntp-simcse/adapter"
-evaluate UniMAE+SimCSE --adapter "$RUNS/unimae-simcse/adapter"
-evaluate GEM --adapter "$RUNS/gem/adapter"
+evaluate base-mean --pooling mean
+evaluate base-echo --pooling echo
 evaluate all-MiniLM-L6-v2 --reference
-$UNIMAE evaluate summary --output-dir "$OUT" \
-  --labels MEAN ECHO MNTP UniMAE MNTP+SimCSE UniMAE+SimCSE GEM all-MiniLM-L6-v2
+train unimae --method unimae
+evaluate unimae-eos --adapter "$RUNS/unimae/adapter"
+train mntp --method mntp
+evaluate mntp-mean --adapter "$RUNS/mntp/adapter"
+train gem --method gem --steps "$GEM_STEPS" --gem-switch-step "$GEM_SWITCH"
+evaluate gem-summary --adapter "$RUNS/gem/adapter"
+train unimae-simcse --method simcse --init-adapter "$RUNS/unimae/adapter"
+evaluate unimae-simcse-eos --adapter "$RUNS/unimae-simcse/adapter"
+train mntp-simcse --method simcse --init-adapter "$RUNS/mntp/adapter"
+evaluate mntp-simcse-mean --adapter "$RUNS/mntp-simcse/adapter"
+$UNIMAE evaluate summary --output-dir "$OUT" --labels base-mean base-echo mntp-mean unimae-eos \
+  mntp-simcse-mean unimae-simcse-eos gem-summary all-MiniLM-L6-v2

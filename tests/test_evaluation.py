@@ -185,8 +185,9 @@ def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder,
     assert "no folder" in run.errors["STS17"]
     out = tmp_path / "out" / "t"
     assert not (out / "SICK-R.json").exists() and (out / "SICK-R.error.json").exists()
-    _, _, markdown = write_summary(tmp_path / "out", ["t"], ["STSBenchmark", "SICK-R"])
+    md_path, _, markdown = write_summary(tmp_path / "out", ["t"], ["STSBenchmark", "SICK-R"], name="table1")
     assert "failed" in markdown and "*" in markdown
+    assert md_path.name == "table1.md" and (tmp_path / "out" / "table1.json").is_file()
 
 
 @needs_data

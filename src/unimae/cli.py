@@ -90,7 +90,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _evaluate_embeddings(args: argparse.Namespace) -> int:
     from unimae.evaluation.embeddings import evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
-    from unimae.evaluation.summary import write_summary
+    from unimae.evaluation.summary import summary_markdown
 
     data_dir = Path(args.data_dir) if args.data_dir else None
     if args.reference:
@@ -122,8 +122,8 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
             use_cache=not args.no_cache,
             rerun=args.rerun,
         )
-    _, _, markdown = write_summary(Path(args.output_dir), [run.label], expand_tasks(args.tasks))
-    print(markdown)
+    # This run's row only; the folder's table (summary.md) is written by `unimae evaluate summary`.
+    print(summary_markdown(Path(args.output_dir), [run.label], expand_tasks(args.tasks)))
     print(
         f"\nper-task JSON: {run.output_dir}  (runtimes in run.json; cache hits {run.cache_hits}, "
         f"misses {run.cache_misses})"
@@ -139,7 +139,7 @@ def _evaluate_summary(args: argparse.Namespace) -> int:
 
     results = Path(args.output_dir)
     labels = args.labels or sorted(p.name for p in results.iterdir() if (p / "run.json").is_file())
-    md_path, csv_path, markdown = write_summary(results, labels, expand_tasks(args.tasks))
+    md_path, csv_path, markdown = write_summary(results, labels, expand_tasks(args.tasks), args.name)
     print(markdown)
     print(f"\nwrote {md_path} and {csv_path}")
     return 0
@@ -420,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     summ.add_argument("--output-dir", default="results/embeddings")
     summ.add_argument("--labels", nargs="+", help="Rows, in order (default: every evaluated label).")
     summ.add_argument("--tasks", nargs="+", default=["dev"])
+    summ.add_argument("--name", default="summary", help="File stem of the table: <name>.md, .csv and .json.")
     summ.set_defaults(func=_evaluate_summary)
     fig = kinds.add_parser("figures", help="t-SNE (base vs adapter) and category bars of a summary.json.")
     model_args(fig)

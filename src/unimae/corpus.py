@@ -160,9 +160,7 @@ def load_passages(data: str = DEFAULT_CORPUS, field: str = "text", id_field: str
     if name == DEFAULT_CORPUS and not path.exists():
         passages = enwiki_gensim_passages(split or "train")
     elif path.suffix == ".jsonl" and path.is_file():
-        passages = [
-            (str(record.get(id_field, number)), record[field]) for number, record in jsonl_records(path, field)
-        ]
+        passages = [(str(record.get(id_field, number)), record[field]) for number, record in jsonl_records(path, field)]
     else:
         passages = [(str(i), text) for i, text in enumerate(load_texts(data, field))]
     passages = [(pid, text.strip()) for pid, text in passages if text.strip()]

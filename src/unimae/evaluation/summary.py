@@ -91,21 +91,32 @@ def summary_table(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
     return header, cells
 
 
-def write_summary(results_dir: Path, labels: list[str], tasks: list[str]) -> tuple[Path, Path, str]:
-    """Write ``summary.md`` and ``summary.csv`` in ``results_dir``; return their paths and the Markdown."""
-    rows = [read_row(results_dir / label, tasks) for label in labels]
-    header, cells = summary_table(rows)
-    markdown = "\n".join(
+def summary_markdown(results_dir: Path, labels: list[str], tasks: list[str]) -> str:
+    """The Markdown table of ``labels`` (rows) on ``tasks``, written nowhere."""
+    return _markdown(*summary_table([read_row(results_dir / label, tasks) for label in labels]))
+
+
+def _markdown(header: list[str], cells: list[list[str]]) -> str:
+    return "\n".join(
         ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         + ["| " + " | ".join(line) + " |" for line in cells]
     )
-    md_path, csv_path = results_dir / "summary.md", results_dir / "summary.csv"
+
+
+def write_summary(
+    results_dir: Path, labels: list[str], tasks: list[str], name: str = "summary"
+) -> tuple[Path, Path, str]:
+    """Write ``<name>.md``, ``.csv`` and ``.json`` in ``results_dir``; return the first two and the Markdown."""
+    rows = [read_row(results_dir / label, tasks) for label in labels]
+    header, cells = summary_table(rows)
+    markdown = _markdown(header, cells)
+    md_path, csv_path = results_dir / f"{name}.md", results_dir / f"{name}.csv"
     md_path.write_text(markdown + "\n")
     with open(csv_path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
         writer.writerows(cells)
-    (results_dir / "summary.json").write_text(
+    (results_dir / f"{name}.json").write_text(
         json.dumps(
             {r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing} for r in rows}, indent=2
         )
