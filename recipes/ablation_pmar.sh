@@ -23,5 +23,6 @@ for p in $P_MARS; do
     --output-dir "$OUT" --label "p_mar=$p"
   labels+=("p_mar=$p")
 done
-$UNIMAE evaluate summary --output-dir "$OUT" --labels "${labels[@]}"
+# shellcheck disable=SC2086
+$UNIMAE evaluate summary --output-dir "$OUT" --labels "${labels[@]}" --tasks $TASKS
 .venv/bin/python recipes/plot_ablation.py "$OUT/summary.json" "$OUT/pmar.png"

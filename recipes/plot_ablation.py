@@ -1,4 +1,4 @@
-"""Plot the dev-suite average against p_mar from an `unimae evaluate summary` summary.json (paper Fig. 3a)."""
+"""Plot the average (and each task) against p_mar from an `unimae evaluate summary` summary.json (paper Fig. 3a)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(summary_path: str, png: str) -> None:
     with open(summary_path) as handle:
         summary = json.load(handle)  # {label: {"tasks", "average", "missing"}}
-    points = sorted(
-        (float(label.split("=")[1]), row["average"]) for label, row in summary.items() if label.startswith("p_mar=")
-    )
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([p for p, _ in points], [a for _, a in points], marker="o")
+    rows = sorted((float(label.split("=")[1]), row) for label, row in summary.items() if label.startswith("p_mar="))
+    p_mars = [p for p, _ in rows]
+    tasks = sorted({t for _, row in rows for t in row["tasks"]})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for task in tasks:  # each task thin, the average bold
+        ax.plot(p_mars, [row["tasks"].get(task, float("nan")) for _, row in rows], lw=0.8, alpha=0.6, label=task)
+    ax.plot(p_mars, [row["average"] for _, row in rows], marker="o", lw=2.2, color="black", label="average")
     ax.set_xlabel("p_mar (share of input tokens masked)")
-    ax.set_ylabel("dev-suite average (x100)")
+    ax.set_ylabel(f"main score x100 ({len(tasks)} tasks)")
     ax.set_title("UniMAE mask-ratio ablation")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"wrote {png}")
