@@ -7,7 +7,7 @@
 #   MODEL=gemma3-270m  bash recipes/table1.sh
 # Environment: TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS (training
 # runs), OUT (results), GEM_STEPS / GEM_SWITCH (GEM's length and its NTP -> contrastive switch step; the
-# paper switches after 100 steps).
+# paper switches after 100 steps), SIMCSE_STEPS (length of each SimCSE stage).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -17,6 +17,7 @@ UNIMAE=${UNIMAE:-.venv/bin/unimae}
 TASKS=${TASKS:-dev}
 GEM_STEPS=${GEM_STEPS:-200}
 GEM_SWITCH=${GEM_SWITCH:-100}
+SIMCSE_STEPS=${SIMCSE_STEPS:-100}
 
 train() {  # name, then train flags
   local name=$1; shift
@@ -40,9 +41,9 @@ train mntp --method mntp
 evaluate mntp-mean --adapter "$RUNS/mntp/adapter"
 train gem --method gem --steps "$GEM_STEPS" --gem-switch-step "$GEM_SWITCH"
 evaluate gem-summary --adapter "$RUNS/gem/adapter"
-train unimae-simcse --method simcse --init-adapter "$RUNS/unimae/adapter"
+train unimae-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$RUNS/unimae/adapter"
 evaluate unimae-simcse-eos --adapter "$RUNS/unimae-simcse/adapter"
-train mntp-simcse --method simcse --init-adapter "$RUNS/mntp/adapter"
+train mntp-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$RUNS/mntp/adapter"
 evaluate mntp-simcse-mean --adapter "$RUNS/mntp-simcse/adapter"
 $UNIMAE evaluate summary --output-dir "$OUT" --labels base-mean base-echo mntp-mean unimae-eos \
   mntp-simcse-mean unimae-simcse-eos gem-summary all-MiniLM-L6-v2

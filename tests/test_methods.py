@@ -167,3 +167,42 @@ def test_domain_post_training_mode_trains_all_weights(tiny_model_dirs, small_cor
     base = Encoder.from_pretrained(str(tiny), precision="fp32").encode(SENTENCES[:2])
     tuned = Encoder.from_pretrained(str(result.adapter_dir), precision="fp32").encode(SENTENCES[:2])
     assert not np.allclose(base, tuned)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+def test_simcse_views_differ_from_the_first_step(tiny_model_dirs, arch):
+    """A fresh LoRA has B = 0, so only attention dropout can make SimCSE's two views of a text differ."""
+    import torch
+
+    from unimae.attention import set_attention_dropout
+    from unimae.models import load_model
+    from unimae.pooling import pooled_forward
+
+    llm, tokenizer, _ = load_model(str(tiny_model_dirs[arch]), dtype=torch.float32)
+    ids = tokenizer(["the cat sat on the mat"], return_tensors="pt")
+    pool_mask = ids["attention_mask"]
+    llm.train()
+
+    def two_views():
+        torch.manual_seed(0)
+        return [pooled_forward(llm, ids["input_ids"], ids["attention_mask"], pool_mask) for _ in range(2)]
+
+    assert set_attention_dropout(llm, 0.0) == llm.config.num_hidden_layers
+    first, second = two_views()
+    assert torch.equal(first, second)
+    set_attention_dropout(llm, 0.3)
+    first, second = two_views()
+    assert not torch.allclose(first, second)
+    llm.eval()  # inference ignores it
+    a, b = (pooled_forward(llm, ids["input_ids"], ids["attention_mask"], pool_mask) for _ in range(2))
+    assert torch.equal(a, b)
+
+
+def test_attention_dropout_needs_attention_layers():
+    import torch
+
+    from unimae.attention import set_attention_dropout
+
+    with pytest.raises(ValueError, match="no attention layer"):
+        set_attention_dropout(torch.nn.Linear(2, 2), 0.1)
+    assert set_attention_dropout(torch.nn.Linear(2, 2), 0.0) == 0

@@ -75,3 +75,18 @@ def model_attention_mask(rule: str, attention_mask: torch.Tensor, model, summary
             raise ValueError("the gem attention rule needs the summary-token positions")
         return to_model_mask(gem_allowed(attention_mask, summary), model)
     raise ValueError(f"unknown attention rule {rule!r}; choose one of {ATTENTION_RULES}")
+
+
+def set_attention_dropout(model: torch.nn.Module, p: float) -> int:
+    """Set the attention-probability dropout of every attention layer of ``model`` (used in train mode only).
+
+    transformers' attention modules (Llama, Qwen2, Gemma3, ...) copy ``config.attention_dropout`` into an
+    ``attention_dropout`` attribute at construction and pass it to the attention kernel while training, so
+    setting the attribute works for any such architecture. Returns how many layers were set.
+    """
+    layers = [m for m in model.modules() if isinstance(getattr(m, "attention_dropout", None), float)]
+    if p > 0 and not layers:
+        raise ValueError(f"{type(model).__name__} has no attention layer with an attention_dropout to set")
+    for layer in layers:
+        layer.attention_dropout = float(p)
+    return len(layers)

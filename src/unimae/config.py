@@ -37,7 +37,8 @@ class ContrastiveOptions:
 
     temperature: float = field(default=0.05, metadata={"help": "simcse/contrastive/gem: InfoNCE temperature."})
     dropout: float = field(
-        default=0.1, metadata={"help": "simcse/gem: LoRA dropout that makes the two views of a text differ."}
+        default=0.1,
+        metadata={"help": "simcse/gem: attention dropout that makes the two views of a text differ."},
     )
     pooling: str = field(
         default="auto",

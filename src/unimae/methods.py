@@ -60,6 +60,9 @@ class Method:
     embedding: Callable[[TrainConfig, Context], dict]
     load_data: Callable[[TrainConfig], list] = lambda config: load_texts(config.data)
     lora_dropout: Callable[[TrainConfig], float] = lambda config: config.lora_dropout
+    # Attention-probability dropout while training: what makes SimCSE's two views differ (a fresh LoRA has
+    # B = 0, so LoRA dropout alone leaves them identical at the start).
+    attention_dropout: Callable[[TrainConfig], float] = lambda config: 0.0
 
 
 METHOD_REGISTRY: dict[str, Method] = {}
@@ -178,7 +181,7 @@ def _simcse_collator(config, ctx):
 
 
 register_method(
-    Method("simcse", _simcse_objective, _simcse_collator, _contrastive_embedding, lora_dropout=lambda c: c.dropout)
+    Method("simcse", _simcse_objective, _simcse_collator, _contrastive_embedding, attention_dropout=lambda c: c.dropout)
 )
 
 
@@ -287,4 +290,4 @@ def _gem_collator(config, ctx):
     return collate
 
 
-register_method(Method("gem", _gem_objective, _gem_collator, _gem_embedding, lora_dropout=lambda c: c.dropout))
+register_method(Method("gem", _gem_objective, _gem_collator, _gem_embedding, attention_dropout=lambda c: c.dropout))

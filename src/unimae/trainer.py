@@ -30,6 +30,7 @@ from unimae.adapter import (
     quiet_peft,
     write_adapter_meta,
 )
+from unimae.attention import set_attention_dropout
 from unimae.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from unimae.config import TrainConfig
 from unimae.methods import Context, get_method, summary_tokens
@@ -149,6 +150,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         embedding_settings(config.init_adapter or None),
     )
     llm = _build_llm(config, model, method.lora_dropout(config))
+    set_attention_dropout(llm, method.attention_dropout(config))
     if config.gradient_checkpointing:
         llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         llm.enable_input_require_grads()
