@@ -66,6 +66,7 @@ def test_registry_matches_config():
     [
         ("mntp", "mntp", {"mntp_p_mask": 0.3}),
         ("simcse", "simcse", {"dropout": 0.1}),
+        ("simcse", "simcse", {"dropout": 0.1, "dropout_on": "lora"}),
         ("contrastive", "contrastive", {}),
         ("gem", "ntp", {"gem_switch_step": 100, "gem_plain_share": 0.5}),
         ("gem", "contrastive", {"gem_switch_step": 0, "num_summary_tokens": 2}),
@@ -155,6 +156,8 @@ def test_contrastive_data_errors(tmp_path, tiny_model_dirs):
         load_pairs("enwiki-gensim")
     with pytest.raises(ValueError, match="micro_batch_size must be >= 2"):
         TrainConfig(method="simcse", micro_batch_size=1, batch_size=4).validate()
+    with pytest.raises(ValueError, match="dropout_on"):
+        TrainConfig(method="simcse", dropout_on="hidden").validate()
 
 
 def test_domain_post_training_mode_trains_all_weights(tiny_model_dirs, small_corpus, tmp_path):

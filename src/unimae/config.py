@@ -37,8 +37,14 @@ class ContrastiveOptions:
 
     temperature: float = field(default=0.05, metadata={"help": "simcse/contrastive/gem: InfoNCE temperature."})
     dropout: float = field(
-        default=0.1,
-        metadata={"help": "simcse/gem: attention dropout that makes the two views of a text differ."},
+        default=0.1, metadata={"help": "simcse/gem: dropout rate that makes the two views of a text differ."}
+    )
+    dropout_on: str = field(
+        default="attention",
+        metadata={
+            "help": "simcse/gem: where that dropout acts: 'attention' (attention probabilities, as LLM2Vec) or "
+            "'lora' (LoRA inputs; a fresh LoRA has B = 0, so the views only start to differ after the first step)."
+        },
     )
     pooling: str = field(
         default="auto",
@@ -154,6 +160,10 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
                 f"--method {self.method} contrasts each text with the others in its micro-batch; "
                 f"micro_batch_size must be >= 2, got {self.micro_batch_size}"
             )
+        if self.dropout_on not in ("attention", "lora"):
+            raise ValueError(f"dropout_on must be 'attention' or 'lora', got {self.dropout_on!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.num_summary_tokens < 1:

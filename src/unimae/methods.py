@@ -65,6 +65,12 @@ class Method:
     attention_dropout: Callable[[TrainConfig], float] = lambda config: 0.0
 
 
+# simcse and gem: the dropout that makes two views of a text differ acts where --dropout-on says.
+VIEW_DROPOUT = {
+    "lora_dropout": lambda c: c.dropout if c.dropout_on == "lora" else c.lora_dropout,
+    "attention_dropout": lambda c: c.dropout if c.dropout_on == "attention" else 0.0,
+}
+
 METHOD_REGISTRY: dict[str, Method] = {}
 
 
@@ -180,9 +186,7 @@ def _simcse_collator(config, ctx):
     return lambda texts, indices: _pooled_batch(ctx, texts, config.max_length, embedding)
 
 
-register_method(
-    Method("simcse", _simcse_objective, _simcse_collator, _contrastive_embedding, attention_dropout=lambda c: c.dropout)
-)
+register_method(Method("simcse", _simcse_objective, _simcse_collator, _contrastive_embedding, **VIEW_DROPOUT))
 
 
 # --- supervised contrastive ---------------------------------------------------------------------
@@ -290,4 +294,4 @@ def _gem_collator(config, ctx):
     return collate
 
 
-register_method(Method("gem", _gem_objective, _gem_collator, _gem_embedding, attention_dropout=lambda c: c.dropout))
+register_method(Method("gem", _gem_objective, _gem_collator, _gem_embedding, **VIEW_DROPOUT))
