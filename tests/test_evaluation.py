@@ -256,3 +256,29 @@ def test_compare_writes_both_tables_and_figures(tiny_model_dirs, corpus_file, da
     assert rows == ["base-mean", "base-eos", "base-echo", "run-eos", "all-MiniLM-L6-v2"]
     assert (tmp_path / "cmp" / "categories.png").stat().st_size > 1000
     assert (tmp_path / "cmp" / "tsne.png").stat().st_size > 1000
+
+
+def test_attention_override_is_recorded_and_changes_the_embeddings(tiny_model_dirs, tmp_path):
+    from unimae.evaluation.embeddings import evaluate_embeddings
+
+    data = tmp_path / "data"
+    (data / "sts/STSBenchmark").mkdir(parents=True)
+    rows = [{"sentence1": f"the cat {i} sat", "sentence2": f"a dog {i % 3} ran", "score": i % 5} for i in range(12)]
+    (data / "sts/STSBenchmark/test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = {}
+    for attention in ("causal", "bidirectional"):
+        runs[attention] = evaluate_embeddings(
+            str(tiny_model_dirs["llama"]),
+            ["STSBenchmark"],
+            tmp_path / "out",
+            pooling="mean",
+            precision="fp32",
+            data_dir=data,
+            label=attention,
+            attention=attention,
+        )
+        meta = json.loads((tmp_path / "out" / attention / "run.json").read_text())
+        assert meta["attention"] == attention
+    # Separate cache entries: the bidirectional run embedded its texts instead of reusing the causal ones.
+    assert runs["bidirectional"].cache_misses > 0
+    assert runs["causal"].scores["STSBenchmark"] != runs["bidirectional"].scores["STSBenchmark"]

@@ -114,6 +114,7 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
             Path(args.output_dir),
             adapter=args.adapter,
             pooling=args.pooling,
+            attention=args.attention,
             data_dir=data_dir,
             label=args.label,
             batch_size=args.batch_size,
@@ -400,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     emb = kinds.add_parser("embeddings", help="mteb tasks: a group (dev, mteb15) or task names.")
     model_args(emb)
     emb.add_argument("--pooling", default="auto", choices=POOLING_CHOICES, help=POOLING_HELP)
+    emb.add_argument(
+        "--attention",
+        choices=("causal", "bidirectional"),
+        help="Attention rule for embedding (default: the adapter's; causal without one).",
+    )
     emb.add_argument("--tasks", nargs="+", default=["dev"], help="Task groups 'dev' / 'mteb15' or mteb task names.")
     emb.add_argument("--data-dir", help="Local data in the shared/data layout (README); else mteb loads from the Hub.")
     emb.add_argument("--output-dir", default="results/embeddings")

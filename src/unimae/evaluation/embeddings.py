@@ -231,8 +231,12 @@ def evaluate_embeddings(
     use_cache: bool = True,
     encoder=None,
     rerun: bool = False,
+    attention: str | None = None,
 ) -> EmbeddingRun:
     """Evaluate unimae's Encoder (``model`` + ``adapter``, ``pooling``) on mteb ``tasks``.
+
+    ``attention`` overrides the attention rule (default: the adapter's, causal without one), e.g. the
+    base model with bidirectional attention as a control for MNTP.
 
     Embeddings are cached under ``output_dir/embedding_cache.sqlite`` keyed by model, adapter
     weights, pooling, max length, precision and text; ``encoder`` reuses an already loaded one.
@@ -242,7 +246,12 @@ def evaluate_embeddings(
     from unimae.evaluation.mteb_model import MTEBEncoder
 
     encoder = encoder or Encoder.from_pretrained(
-        model, adapter=adapter, pooling=pooling, max_length=max_length, precision=precision
+        model,
+        adapter=adapter,
+        pooling=pooling,
+        max_length=max_length,
+        precision=precision,
+        **({"attention": attention} if attention else {}),
     )
     pooling = encoder.pooling  # 'auto' resolved from the adapter
     revision = adapter_revision(adapter)
