@@ -60,8 +60,8 @@ class Method:
     embedding: Callable[[TrainConfig, Context], dict]
     load_data: Callable[[TrainConfig], list] = lambda config: load_texts(config.data)
     lora_dropout: Callable[[TrainConfig], float] = lambda config: config.lora_dropout
-    # Attention-probability dropout while training: what makes SimCSE's two views differ (a fresh LoRA has
-    # B = 0, so LoRA dropout alone leaves them identical at the start).
+    # Attention-probability dropout while training (0: leave the model's own): what makes SimCSE's two views
+    # differ (a fresh LoRA has B = 0, so LoRA dropout alone leaves them identical at the start).
     attention_dropout: Callable[[TrainConfig], float] = lambda config: 0.0
 
 

@@ -150,7 +150,8 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
         embedding_settings(config.init_adapter or None),
     )
     llm = _build_llm(config, model, method.lora_dropout(config))
-    set_attention_dropout(llm, method.attention_dropout(config))
+    if view_dropout := method.attention_dropout(config):  # else the model keeps its own config's rate
+        set_attention_dropout(llm, view_dropout)
     if config.gradient_checkpointing:
         llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         llm.enable_input_require_grads()

@@ -1,7 +1,7 @@
 """Contrastive objectives on pooled embeddings: unsupervised SimCSE and supervised (query, positive, negative).
 
-SimCSE (Gao et al. 2021): every text passes twice in one forward (the batch doubled); attention
-dropout (train mode, set by the trainer as LLM2Vec's SimCSE stage does) makes the two views differ;
+SimCSE (Gao et al. 2021): every text passes twice in one forward (the batch doubled); dropout set by
+the trainer (``--dropout-on``: attention by default, as LLM2Vec's SimCSE stage; or LoRA) makes the two views differ;
 view 2 of text i is the positive of view 1, the other texts are negatives (InfoNCE, temperature 0.05).
 Supervised (UniMAE App. D): queries against their positives, with the other positives and the hard
 negatives as negatives. Both pool with any rule/attention.
