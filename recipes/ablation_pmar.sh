@@ -2,7 +2,8 @@
 # The paper's Fig. 3a: UniMAE trained with p_mar in {0, 0.2, 0.4, 0.5, 0.6, 0.8}, dev-suite average vs p_mar.
 #   MODEL=smollm2-135m bash recipes/ablation_pmar.sh      (about 6 x 45 min on 2 CPU cores)
 # Environment: STEPS (training steps per point; default: the recipe's), TASKS (default "dev"; a
-# space-separated task list for a cheaper run), P_MARS (the grid), RUNS, OUT.
+# space-separated task list for a cheaper run), P_MARS (the grid), RUNS, OUT, TRAIN_FLAGS (extra
+# `unimae train` flags for every point, e.g. "--batch-size 8 --max-length 64").
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -11,12 +12,14 @@ OUT=${OUT:-results/ablation-pmar-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
 TASKS=${TASKS:-dev}
 P_MARS=${P_MARS:-0 0.2 0.4 0.5 0.6 0.8}
+TRAIN_FLAGS=${TRAIN_FLAGS:-}
 steps=()
 if [ -n "${STEPS:-}" ]; then steps=(--steps "$STEPS"); fi
 labels=()
 for p in $P_MARS; do
   if [ ! -f "$RUNS/p$p/adapter/adapter_config.json" ]; then
-    $UNIMAE train --model "$MODEL" --p-mar "$p" "${steps[@]}" --output-dir "$RUNS/p$p"
+    # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
+    $UNIMAE train --model "$MODEL" $TRAIN_FLAGS --p-mar "$p" "${steps[@]}" --output-dir "$RUNS/p$p"
   fi
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/p$p/adapter" --tasks $TASKS --data-dir "$DATA" \

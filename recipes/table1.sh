@@ -7,7 +7,9 @@
 #   MODEL=gemma3-270m  bash recipes/table1.sh
 # Environment: TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS (training
 # runs), OUT (results), GEM_STEPS / GEM_SWITCH (GEM's length and its NTP -> contrastive switch step; the
-# paper switches after 100 steps), SIMCSE_STEPS (length of each SimCSE stage).
+# paper switches after 100 steps), SIMCSE_STEPS (length of each SimCSE stage), TRAIN_FLAGS (extra
+# `unimae train` flags for every run, e.g. "--batch-size 8 --max-length 64" for a cheaper table; the
+# per-method flags above come after them and win).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -18,11 +20,13 @@ TASKS=${TASKS:-dev}
 GEM_STEPS=${GEM_STEPS:-200}
 GEM_SWITCH=${GEM_SWITCH:-100}
 SIMCSE_STEPS=${SIMCSE_STEPS:-100}
+TRAIN_FLAGS=${TRAIN_FLAGS:-}
 
 train() {  # name, then train flags
   local name=$1; shift
   if [ ! -f "$RUNS/$name/adapter/adapter_config.json" ]; then
-    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" "$@"
+    # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
+    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" $TRAIN_FLAGS "$@"
   fi
 }
 evaluate() {  # label, then evaluate flags
