@@ -49,6 +49,6 @@ train unimae-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$RUN
 evaluate unimae-simcse-eos --adapter "$RUNS/unimae-simcse/adapter"
 train mntp-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$RUNS/mntp/adapter"
 evaluate mntp-simcse-mean --adapter "$RUNS/mntp-simcse/adapter"
-# shellcheck disable=SC2086
+# shellcheck disable=SC2086  # TASKS is a word list on purpose
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name table1 --labels base-mean base-echo mntp-mean \
   unimae-eos mntp-simcse-mean unimae-simcse-eos gem-summary all-MiniLM-L6-v2

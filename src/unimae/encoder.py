@@ -69,13 +69,14 @@ class Encoder:
         adapter: str | None = None,
         pooling: str = "auto",
         merge: bool | None = None,
+        attention: str | None = None,
         **kwargs,
     ) -> Encoder:
         """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``.
 
         ``pooling='auto'`` takes the pooling the adapter was trained for (``eos`` for UniMAE, ``mean`` for
         MNTP, ``summary`` for GEM; ``eos`` without an adapter); the attention rule (causal, bidirectional
-        for MNTP, gem) always comes from the adapter unless ``attention=`` is given.
+        for MNTP, gem) comes from the adapter unless ``attention`` is given (None: the adapter's).
 
         ``merge``: fold the LoRA update into the weights (in fp32, then cast to the run precision), so
         inference runs plain matmuls (about 2x faster on CPU for short texts). The default (None) merges only
@@ -93,7 +94,7 @@ class Encoder:
                 kwargs.setdefault(key, value)
         elif pooling == "summary":
             kwargs.setdefault("summary_ids", settings["pooling_options"].get("summary_ids", ()))
-        kwargs.setdefault("attention", settings["attention"])
+        attention = attention or settings["attention"]
         dtype = weight_dtype(precision)
         merged = adapter is not None and (merge if merge is not None else precision == "fp32")
         llm, tokenizer, _ = load_model(model, dtype=torch.float32 if merged else dtype)
@@ -101,7 +102,7 @@ class Encoder:
             llm = attach_adapter(llm, adapter)
         if merged:
             llm = llm.merge_and_unload().to(dtype)
-        encoder = cls(llm, tokenizer, pooling=pooling, **kwargs)
+        encoder = cls(llm, tokenizer, pooling=pooling, attention=attention, **kwargs)
         encoder.adapter_merged = merged
         return encoder
 

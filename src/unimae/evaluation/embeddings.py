@@ -251,7 +251,7 @@ def evaluate_embeddings(
         pooling=pooling,
         max_length=max_length,
         precision=precision,
-        **({"attention": attention} if attention else {}),
+        attention=attention,
     )
     pooling = encoder.pooling  # 'auto' resolved from the adapter
     revision = adapter_revision(adapter)
