@@ -20,7 +20,12 @@ def main(summary_path: str, png: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for task in tasks:  # each task thin, the average bold
         ax.plot(p_mars, [row["tasks"].get(task, float("nan")) for _, row in rows], lw=0.8, alpha=0.6, label=task)
-    ax.plot(p_mars, [row["average"] for _, row in rows], marker="o", lw=2.2, color="black", label="average")
+    # An average over fewer tasks is not comparable with the others: a point with a missing task is left out.
+    averages = [row["average"] if not row["missing"] else float("nan") for _, row in rows]
+    ax.plot(p_mars, averages, marker="o", lw=2.2, color="black", label="average (points with every task)")
+    incomplete = [f"{p:g}" for p, row in rows if row["missing"]]
+    if incomplete:
+        print(f"p_mar {', '.join(incomplete)}: some tasks missing, left out of the average")
     ax.set_xlabel("p_mar (share of input tokens masked)")
     ax.set_ylabel(f"main score x100 ({len(tasks)} tasks)")
     ax.set_title("UniMAE mask-ratio ablation")
