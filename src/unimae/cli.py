@@ -408,10 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     emb.add_argument("--tasks", nargs="+", default=["dev"], help="Task groups 'dev' / 'mteb15' or mteb task names.")
     emb.add_argument("--data-dir", help="Local data in the shared/data layout (README); else mteb loads from the Hub.")
-    emb.add_argument("--output-dir", default="results/embeddings")
+    emb.add_argument(
+        "--output-dir",
+        default="results/embeddings",
+        help="One folder per label with a JSON per task; finished tasks are skipped on a rerun.",
+    )
     emb.add_argument("--label", help="Row name in the summary (default: model-adapter-pooling).")
-    emb.add_argument("--batch-size", type=int, default=32)
-    emb.add_argument("--max-length", type=int, default=512)
+    emb.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass (longest first).")
+    emb.add_argument("--max-length", type=int, default=512, help="Tokens per text; longer texts are truncated.")
     emb.add_argument("--no-cache", action="store_true", help="Do not read or write the embedding cache.")
     emb.add_argument(
         "--rerun", action="store_true", help="Evaluate tasks again even if this model's result JSON exists."
@@ -423,9 +427,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     emb.set_defaults(func=_evaluate_embeddings)
     summ = kinds.add_parser("summary", help="Table 1-style summary of finished embedding evaluations.")
-    summ.add_argument("--output-dir", default="results/embeddings")
+    summ.add_argument(
+        "--output-dir", default="results/embeddings", help="The folder `unimae evaluate embeddings` wrote to."
+    )
     summ.add_argument("--labels", nargs="+", help="Rows, in order (default: every evaluated label).")
-    summ.add_argument("--tasks", nargs="+", default=["dev"])
+    summ.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["dev"],
+        help="Columns: task groups or names; a row without a task is marked in the 'missing' column.",
+    )
     summ.add_argument("--name", default="summary", help="File stem of the table: <name>.md, .csv and .json.")
     summ.set_defaults(func=_evaluate_summary)
     fig = kinds.add_parser("figures", help="t-SNE (base vs adapter) and category bars of a summary.json.")
