@@ -73,7 +73,8 @@ def server(tiny_model_dirs, tmp_path_factory):
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
-            time.sleep(0.3)
+            pass
+        time.sleep(0.3)  # polls until the server answers; the deadline only guards against a hang
     else:
         proc.kill()
         pytest.fail("server did not start within 120 s")
@@ -259,32 +260,47 @@ def test_more_edge_cases_get_clean_4xx(server):
 
 
 def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monkeypatch):
-    import unimae.serving.app as app_module
+    import unimae.serving.routes.completions as completions_module
     from unimae.generation import GenerationResult
     from unimae.serving.app import create_app
     from unimae.serving.config import ServerConfig
 
-    def slow(*args, **kwargs):
-        time.sleep(0.5)
+    release = threading.Event()  # the running generation holds its slot until the test releases it
+
+    def blocked(*args, **kwargs):
+        assert release.wait(60), "the test never released the generation"
         yield "hi"
         yield GenerationResult("hi", 1, 1, "stop")
 
-    monkeypatch.setattr(app_module, "generate_stream", slow)
-    monkeypatch.setattr(app_module, "generate_text", lambda *a, **k: list(slow())[-1])
+    monkeypatch.setattr(completions_module, "generate_stream", blocked)
+    monkeypatch.setattr(completions_module, "generate_text", lambda *a, **k: list(blocked())[-1])
     encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
     app = create_app(encoder, ServerConfig(model_name="tiny", max_concurrent_generations=1, max_queued_generations=1))
+    slots = app.state.server.slots
+
+    async def until(condition):
+        async def poll():
+            while not condition():
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), 30)  # a guard against a hang, not an ordering device
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
             body = {"prompt": "the cat", "max_tokens": 4}
-            running = asyncio.create_task(http.post("/v1/completions", json=body))
-            await asyncio.sleep(0.1)
-            queued = asyncio.create_task(http.post("/v1/completions", json=body))
-            await asyncio.sleep(0.1)
-            rejected = await http.post("/v1/completions", json={**body, "stream": True})
+            try:
+                running = asyncio.create_task(http.post("/v1/completions", json=body))
+                await until(lambda: slots.running == 1)
+                queued = asyncio.create_task(http.post("/v1/completions", json=body))
+                await until(lambda: slots.waiting == 1)
+                rejected = await http.post("/v1/completions", json={**body, "stream": True})
+                assert (slots.running, slots.waiting) == (1, 1)  # the refused stream took no place
+            finally:
+                release.set()
             return (await running).status_code, (await queued).status_code, rejected
 
     first, second, rejected = asyncio.run(main())
     assert (first, second) == (200, 200)
     assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"
+    assert (slots.running, slots.waiting) == (0, 0)

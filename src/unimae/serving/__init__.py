@@ -1,1 +1,2 @@
-"""The OpenAI-compatible server (``unimae serve``): app, request schemas, dynamic batching, settings."""
+"""The OpenAI-compatible server (``unimae serve``): app, routes, shared state, generation slots, SSE, request
+guard, request schemas, dynamic batching, settings."""

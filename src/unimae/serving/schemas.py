@@ -1,4 +1,4 @@
-"""OpenAI-format request bodies (pydantic) and the OpenAI-style error body.
+"""OpenAI-format request bodies (pydantic), their parsing, and the OpenAI-style error body.
 
 Only what unimae serves is accepted; unknown fields are ignored as OpenAI clients send extras
 (``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes.
@@ -6,9 +6,12 @@ Only what unimae serves is accepted; unknown fields are ignored as OpenAI client
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -30,6 +33,23 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def parse_body(raw: bytes, schema: type[Body]) -> Body:
+    """A request body -> ``schema``, or a 400 naming the first thing wrong (bad JSON, not an object, a field)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {type(err).__name__}: {err}") from err
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"invalid '{where}': {message}" if where else message, param=where) from err
 
 
 def _as_list(value, name: str) -> list[str]:

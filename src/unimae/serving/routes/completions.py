@@ -1,0 +1,129 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI format, streamed over SSE or not.
+
+Both tokenize the prompt, check the token budget, then either take a generation slot and answer in one
+body, or reserve a slot (429 now if the queue is full) and return an SSE stream that holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
+from starlette.concurrency import run_in_threadpool
+
+from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
+from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, parse_body
+from unimae.serving.sse import sse_events, sse_response
+from unimae.serving.state import ServerState, StateDep
+
+router = APIRouter()
+
+Chunk = Callable[[str | None, str | None], dict]  # (text piece, finish_reason) -> one streamed payload
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every payload of one response repeats: its id, creation time and model."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> _Reply:
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request, state: StateDep) -> dict | StreamingResponse:
+    body = parse_body(await request.body(), CompletionRequest)
+    state.check_model(body.model)
+    ids = state.encoder.prompt_ids(body.prompt)
+    if not ids:
+        raise APIError(400, "prompt is empty", "prompt")
+    params = state.sampling(body, 16, len(ids))
+    chunk = functools.partial(_completion_chunk, _Reply.new("cmpl", state.config.model_name))
+    if body.stream:
+        state.slots.reserve()
+        return sse_response(_stream(state, ids, params, chunk))
+    result = await _generate(state, ids, params)
+    return {**chunk(result.text, result.finish_reason), "usage": _usage(result)}
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat(request: Request, state: StateDep) -> dict | StreamingResponse:
+    body = parse_body(await request.body(), ChatRequest)
+    state.check_model(body.model)
+    try:
+        ids = state.encoder.prompt_ids([m.as_template_message() for m in body.messages])
+    except (ValueError, TemplateError) as err:
+        raise APIError(400, str(err), "messages") from err
+    params = state.sampling(body, state.config.default_chat_tokens, len(ids))
+    reply = _Reply.new("chatcmpl", state.config.model_name)
+    if body.stream:
+        state.slots.reserve()
+        role = _chat_chunk(reply, None, None, role=True)  # the first chunk only says who speaks
+        return sse_response(_stream(state, ids, params, functools.partial(_chat_chunk, reply), first=[role]))
+    result = await _generate(state, ids, params)
+    message = {"role": "assistant", "content": result.text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+    return {**reply.head("chat.completion"), "choices": [choice], "usage": _usage(result)}
+
+
+async def _generate(state: ServerState, ids: list[int], params: GenerationParams) -> GenerationResult:
+    """The whole generation, in a worker thread, once a slot is free (or 429 now)."""
+    state.slots.reserve()
+    async with state.slots.hold():
+        encoder = state.encoder
+        return await run_in_threadpool(
+            generate_text, encoder.model, encoder.tokenizer, ids, params, precision=encoder.precision
+        )
+
+
+def _stream(
+    state: ServerState, ids: list[int], params: GenerationParams, chunk: Chunk, first: Iterable[dict] = ()
+) -> AsyncIterator[bytes]:
+    """SSE of ``first`` payloads, a ``chunk`` per text piece, a last ``chunk`` with the finish reason."""
+    cancel = threading.Event()
+    encoder = state.encoder
+
+    def pieces():
+        return generate_stream(
+            encoder.model, encoder.tokenizer, ids, params, precision=encoder.precision, cancel=cancel
+        )
+
+    def render(item: str | GenerationResult) -> dict | None:
+        if isinstance(item, GenerationResult):
+            return chunk(None, item.finish_reason)
+        return chunk(item, None) if item else None
+
+    return sse_events(state.slots, pieces, render, cancel, first)
+
+
+def _completion_chunk(reply: _Reply, text: str | None, finish: str | None) -> dict:
+    choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+    return {**reply.head("text_completion"), "choices": [choice]}
+
+
+def _chat_chunk(reply: _Reply, text: str | None, finish: str | None, role: bool = False) -> dict:
+    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {**reply.head("chat.completion.chunk"), "choices": [choice]}
+
+
+def _usage(result: GenerationResult) -> dict:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }

@@ -1,0 +1,21 @@
+"""``GET /health`` (liveness; the only route that needs no API key) and ``GET /v1/models``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from unimae.serving.state import StateDep
+
+router = APIRouter()
+
+
+@router.get("/health", response_model=None)
+async def health(state: StateDep) -> dict:
+    index = state.index
+    return {"status": "ok", "model": state.config.model_name, "index_passages": len(index) if index else None}
+
+
+@router.get("/v1/models", response_model=None)
+async def models(state: StateDep) -> dict:
+    card = {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "unimae"}
+    return {"object": "list", "data": [card]}

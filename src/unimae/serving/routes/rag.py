@@ -1,0 +1,83 @@
+"""``POST /v1/rag``: retrieve passages from the index and answer from them with the same model.
+
+Body ``{"query", "k", "max_tokens", "stream", "reuse_kv"}``; answer ``rag.answer`` with the passages and
+usage (``cached_prompt_tokens``: the query's embedding pass reused as the prompt's KV cache). Streamed, the
+events are ``rag.passages``, then ``rag.delta`` text pieces, then the ``rag.answer``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from unimae.generation import GenerationParams
+from unimae.index import Hit
+from unimae.rag import RAGAnswer
+from unimae.serving.schemas import APIError, RAGRequest, parse_body
+from unimae.serving.sse import sse_events, sse_response
+from unimae.serving.state import StateDep
+
+router = APIRouter()
+
+
+@router.post("/v1/rag", response_model=None)
+async def rag_answer(request: Request, state: StateDep) -> dict | StreamingResponse:
+    body = parse_body(await request.body(), RAGRequest)
+    if state.rag is None:
+        raise APIError(404, "no index is loaded; start the server with --index DIR", code="no_index")
+    params = GenerationParams(max_new_tokens=state.token_budget(body.max_tokens, state.config.default_chat_tokens))
+    try:
+        state.rag.check_budget(body.query, params.max_new_tokens)
+    except ValueError as err:
+        raise APIError(400, str(err), "query") from err
+    state.slots.reserve()
+    cancel = threading.Event()
+    run = functools.partial(
+        state.rag.stream, body.query, params=params, k=body.k, reuse_kv=body.reuse_kv, cancel=cancel
+    )
+    model = state.config.model_name
+    if body.stream:
+        return sse_response(sse_events(state.slots, run, functools.partial(_event, model), cancel))
+    async with state.slots.hold():
+        try:
+            answer = await run_in_threadpool(_last_answer, run)
+        except ValueError as err:
+            raise APIError(400, str(err), "query") from err
+    return _answer_body(model, answer)
+
+
+def _last_answer(run: Callable[[], Iterator[list[Hit] | str | RAGAnswer]]) -> RAGAnswer:
+    return [item for item in run() if isinstance(item, RAGAnswer)][0]
+
+
+def _event(model: str, item: list[Hit] | str | RAGAnswer) -> dict:
+    """One streamed payload: the retrieved passages, a text piece, or the final answer."""
+    if isinstance(item, list):
+        return {"object": "rag.passages", "passages": _passages(item)}
+    if isinstance(item, RAGAnswer):
+        return _answer_body(model, item)
+    return {"object": "rag.delta", "text": item}
+
+
+def _answer_body(model: str, answer: RAGAnswer) -> dict:
+    return {
+        "object": "rag.answer",
+        "model": model,
+        "answer": answer.text,
+        "passages": _passages(answer.hits),
+        "finish_reason": answer.finish_reason,
+        "usage": {
+            "prompt_tokens": answer.prompt_tokens,
+            "cached_prompt_tokens": answer.cached_tokens,
+            "completion_tokens": answer.completion_tokens,
+        },
+    }
+
+
+def _passages(hits: list[Hit]) -> list[dict]:
+    return [{"id": h.id, "text": h.text, "score": h.score} for h in hits]
