@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unimae-installed
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench docs
 
 setup: $(STAMP)
 
@@ -32,3 +32,7 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/embed_throughput.py
+
+# Regenerate the results tables in README.md and docs/*.md from results/**/*.json (see docs/evaluation.md).
+docs: setup
+	$(PY) -m unimae.evaluation.report

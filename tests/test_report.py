@@ -1,0 +1,177 @@
+"""The docs tables generator (``python -m unimae.evaluation.report``): markers, sources, --check.
+
+No model is loaded. The unit tests use a fixed task -> type map instead of mteb's registry; the
+last tests run the real check over README.md and docs/*.md.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from unimae.evaluation import report
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = {"STSBenchmark": "STS", "SICK-R": "STS", "Banking77Classification": "Classification"}
+BEFORE = "# Title\n\nSome prose with 12.34 in it.\n\n"
+AFTER = "\nMore prose.\n\n| a hand-written | table |\n|---|---|\n| 1 | 2 |\n"
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    """A repository with one summary JSON, two generation JSONs and one Markdown file."""
+    monkeypatch.setattr(report, "task_type", TYPES.__getitem__)
+    results = tmp_path / "results" / "dev"
+    results.mkdir(parents=True)
+    summary = {
+        "base": {"tasks": {"STSBenchmark": 40.0, "SICK-R": 50.0, "Banking77Classification": 60.0}, "missing": []},
+        "tuned": {"tasks": {"STSBenchmark": 70.0, "SICK-R": 80.0}, "missing": ["Banking77Classification"]},
+    }
+    (results / "summary.json").write_text(json.dumps(summary))
+    for name, acc in [("base", 0.5), ("tuned", 0.625)]:
+        folder = tmp_path / "results" / "gen" / name
+        folder.mkdir(parents=True)
+        scores = {"arc_easy": {"acc,none": acc, "acc_norm,none": 0.25}, "lambada_openai": {"perplexity,none": 12.345}}
+        (folder / "generation.json").write_text(json.dumps({"results": scores}))
+    return tmp_path
+
+
+def write_doc(root: Path, marker: str, body: str = "\n| stale |\n") -> Path:
+    doc = root / "doc.md"
+    doc.write_text(BEFORE + marker + body + "<!-- /report -->\n" + AFTER)
+    return doc
+
+
+def run(root: Path, doc: Path, *flags: str) -> int:
+    return report.main([*flags, "--root", str(root), str(doc)])
+
+
+def table_of(doc: Path) -> list[str]:
+    """The table rows between the marker pair (the separator line left out)."""
+    body = doc.read_text().split("-->\n", 1)[1].split("<!-- /report -->", 1)[0]
+    return [line for line in body.splitlines() if line.startswith("| ")]
+
+
+def test_stale_table_fails_check_then_regenerates_and_leaves_other_text_alone(root, capsys):
+    doc = write_doc(root, "<!-- report: results/dev/summary.json -->")
+    original = doc.read_text()
+
+    assert run(root, doc, "--check") == 1
+    assert "doc.md:5: table from 'results/dev/summary.json' is stale" in capsys.readouterr().out
+    assert doc.read_text() == original  # --check writes nothing
+
+    assert run(root, doc) == 0
+    assert run(root, doc, "--check") == 0
+    text = doc.read_text()
+    assert text.startswith(BEFORE + "<!-- report: results/dev/summary.json -->\n")
+    assert text.endswith("<!-- /report -->\n" + AFTER)
+    assert table_of(doc) == [
+        "| method | Class. | STS | Avg. | STSBenchmark | SICK-R | Banking77Classification | missing |",
+        "| base | 60.00 | 45.00 | 50.00 | 40.00 | 50.00 | 60.00 |  |",
+        "| tuned | - | 75.00 | 75.00* | 70.00 | 80.00 | not run | Banking77Classification |",
+    ]
+    # A second run changes nothing.
+    assert run(root, doc) == 0
+    assert doc.read_text() == text
+
+
+def test_a_changed_json_makes_the_table_stale_again(root):
+    doc = write_doc(root, "<!-- report: results/dev/summary.json -->")
+    assert run(root, doc) == 0
+    path = root / "results" / "dev" / "summary.json"
+    data = json.loads(path.read_text())
+    data["base"]["tasks"]["SICK-R"] = 51.0
+    path.write_text(json.dumps(data))
+    assert run(root, doc, "--check") == 1
+    assert run(root, doc) == 0
+    assert "| base | 60.00 | 45.50 | 50.33 | 40.00 | 51.00 | 60.00 |  |" in table_of(doc)
+
+
+def test_summary_options_select_rename_and_recompute(root):
+    marker = (
+        "<!-- report: results/dev/summary.json\n"
+        "labels: [tuned, base]\n"
+        "exclude: [Banking77Classification]\n"
+        "names: {tuned: tuned (ours)}\n"
+        "columns: [Avg., SICK-R]\n"
+        "caption: Scores x 100.\n"
+        "-->"
+    )
+    doc = write_doc(root, marker)
+    assert run(root, doc) == 0
+    assert table_of(doc) == [
+        "| method | Avg. | SICK-R |",
+        "| tuned (ours) | 75.00 | 80.00 |",
+        "| base | 45.00 | 50.00 |",
+    ]
+    assert "\nScores x 100.\n\n<!-- /report -->" in doc.read_text()
+
+
+def test_averages_and_generation_sources(root):
+    averages = (
+        "<!-- report: averages\n"
+        "rows: {base: Base, tuned: Tuned}\n"
+        "columns:\n"
+        "  all: results/dev/summary.json\n"
+        "  STS only: {source: results/dev/summary.json, tasks: [STSBenchmark, SICK-R]}\n"
+        "-->"
+    )
+    doc = write_doc(root, averages)
+    assert run(root, doc) == 0
+    assert table_of(doc) == ["| method | all | STS only |", "| Base | 50.00 | 45.00 |", "| Tuned | 75.00* | 75.00 |"]
+
+    generation = (
+        "<!-- report: generation\n"
+        "rows: {base: results/gen/base/generation.json, tuned: results/gen/tuned/generation.json}\n"
+        "-->"
+    )
+    doc = write_doc(root, generation)
+    assert run(root, doc) == 0
+    assert table_of(doc) == [
+        "| model | arc_easy acc / acc_norm | lambada_openai ppl |",
+        "| base | 50.0 / 25.0 | 12.35 |",
+        "| tuned | 62.5 / 25.0 | 12.35 |",
+    ]
+
+
+def test_markers_inside_prose_or_indented_are_not_tables(root):
+    doc = root / "doc.md"
+    text = "Write `<!-- report: x.json -->` to add one:\n\n    <!-- report: x.json -->\n    <!-- /report -->\n"
+    doc.write_text(text)
+    assert run(root, doc, "--check") == 0
+    assert report.find_markers(doc, text) == []
+
+
+@pytest.mark.parametrize(
+    ("marker", "body", "message"),
+    [
+        ("<!-- report: results/dev/missing.json -->", "\n<!-- /report -->\n", "missing.json does not exist"),
+        ("<!-- report: results/dev/summary.json\nlabel: [base]\n-->", "\n<!-- /report -->\n", "unknown report option"),
+        ("<!-- report: results/dev/summary.json\nlabels: [nobody]\n-->", "\n<!-- /report -->\n", "['nobody'] not in"),
+        ("<!-- report: results/dev -->", "\n<!-- /report -->\n", "needs 'labels: [...]' and 'tasks: [...]'"),
+        ("<!-- report: results/dev/summary.json\ntasks: SICK-R\n-->", "\n<!-- /report -->\n", "must be a list"),
+        ("<!-- report: results/dev/summary.json -->", "\n| no closing marker |\n", "without its closing"),
+    ],
+)
+def test_bad_markers_name_the_file_line_and_fix(root, capsys, marker, body, message):
+    doc = root / "doc.md"
+    doc.write_text(BEFORE + marker + body)
+    assert run(root, doc, "--check") == 2
+    err = capsys.readouterr().err
+    assert "doc.md:5:" in err and message in err
+
+
+def test_repository_docs_tables_are_up_to_date(capsys):
+    files = report.doc_files(ROOT)
+    assert ROOT / "README.md" in files
+    assert {p.name for p in files} >= {"methods.md", "serving.md", "evaluation.md", "results.md"}
+    assert sum(len(report.find_markers(p, p.read_text())) for p in files) > 0
+    status = report.main(["--check", "--root", str(ROOT)])
+    assert status == 0, capsys.readouterr().out + "\nrun `make docs` (python -m unimae.evaluation.report)"
+
+
+def test_readme_stays_short():
+    size = (ROOT / "README.md").stat().st_size
+    assert size <= 15_000, f"README.md is {size} bytes (limit 15 KB); move details to docs/"
