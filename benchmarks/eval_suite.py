@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 from unimae.evaluation.embeddings import evaluate_embeddings
+from unimae.files import find_data_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def default_data_dir() -> str:
-    return os.environ.get("UNIMAE_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+def default_data_dir() -> str | None:
+    found = find_data_dir()  # $UNIMAE_DATA, else ../shared/data
+    return str(found) if found else None
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import torch
 
 ARCHITECTURES = ["llama", "gemma3", "qwen2"]
 SHARED_DATA = Path(os.environ.get("UNIMAE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+# The user's model cache, where the integration tests find (or build once) the dequantized offline models.
+REAL_CACHE = os.environ.get("UNIMAE_CACHE_REAL", str(Path.home() / ".cache" / "unimae"))
 
 SENTENCES = [
     "the cat sat on the mat and looked at the door",
@@ -33,7 +35,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(add_bos: bool, with_mask: bool):
+def build_tokenizer(add_bos: bool, with_mask: bool, with_pad: bool = True):
+    """A byte-level BPE over ``SENTENCES``; ``<pad>`` is always in the vocabulary (same ids either way),
+    but only declared the pad token when ``with_pad``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -54,8 +58,10 @@ def build_tokenizer(add_bos: bool, with_mask: bool):
         )
     extra = ["<extra_1>", "<extra_2>"] if with_mask else ["<extra_0>", "<extra_1>", "<extra_2>"]
     kwargs = {"additional_special_tokens": extra, **({"mask_token": "<mask>"} if with_mask else {})}
+    if with_pad:
+        kwargs["pad_token"] = "<pad>"
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", **kwargs
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", **kwargs
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -123,3 +129,17 @@ def corpus_file(tmp_path) -> Path:
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("UNIMAE_CACHE", str(tmp_path / "cache"))
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_encoder():
+    """The real SmolLM2-135M (eos pooling), loaded once per session from the user's model cache.
+
+    ``UNIMAE_CACHE`` points at that cache only while the model loads; every test still runs with its
+    own empty cache (``_isolated_cache``), and the variable is restored even if loading fails.
+    """
+    from unimae.encoder import Encoder
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UNIMAE_CACHE", REAL_CACHE)
+        return Encoder.from_pretrained("smollm2-135m", pooling="eos", max_length=128)

@@ -1,6 +1,11 @@
 """The command line as a user runs it."""
 
 import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SENTENCES
 
 from unimae.cli import main
 
@@ -19,8 +24,6 @@ def test_embed_prints_vectors(tiny_model_dirs, capsys):
 
 
 def test_embed_to_npy(tiny_model_dirs, tmp_path, capsys):
-    import numpy as np
-
     src = tmp_path / "in.txt"
     src.write_text("one\ntwo\nthree\n")
     out = tmp_path / "e.npy"
@@ -59,27 +62,181 @@ def test_wrong_adapter_path_is_a_clear_error(tiny_model_dirs, tmp_path, capsys):
     assert "not an adapter directory" in capsys.readouterr().err
 
 
-def test_every_subcommand_is_wired():
-    from unimae.cli import build_parser
+def _record(monkeypatch, target: str, returns):
+    """Replace ``target`` (module.attr) by a fake that records its calls and returns ``returns``."""
+    calls = []
 
-    parser = build_parser()
-    for argv in (
-        ["evaluate", "summary"],
-        ["evaluate", "figures", "--data-dir", "x"],
-        ["evaluate", "embeddings"],
-        ["evaluate", "generation"],
-        ["compare"],
-        ["export", "--output", "x"],
-        ["check"],
-        ["train"],
-    ):
-        assert callable(parser.parse_args(argv).func), argv
+    def fake(*args, **kwargs):
+        calls.append((args, kwargs))
+        return returns
+
+    monkeypatch.setattr(target, fake)
+    return calls
+
+
+def test_train_passes_the_resolved_config_and_reports_an_interrupt(monkeypatch, tmp_path, capsys):
+    from unimae.trainer import TrainResult
+
+    out = tmp_path / "run"
+    result = TrainResult(out, out / "adapter", steps=3, interrupted=True, seconds=1.0)
+    calls = _record(monkeypatch, "unimae.trainer.train", result)
+    argv = ["train", "--model", "m", "--data", "d.txt", "--output-dir", str(out), "--steps", "7", "--lr", "0.001"]
+    assert main(argv) == 130
+    (config,), kwargs = calls[0]
+    assert (config.model, config.data, config.output_dir, config.steps, config.lr) == ("m", "d.txt", str(out), 7, 0.001)
+    assert kwargs == {"resume": False}
+    printed = capsys.readouterr().out
+    assert "interrupted at step 3/7" in printed and f"unimae train --resume --output-dir {out}" in printed
+
+
+def test_train_resume_reuses_the_runs_config_and_explicit_flags_win(monkeypatch, tmp_path):
+    from unimae.config import TrainConfig
+    from unimae.trainer import TrainResult
+
+    out = tmp_path / "run"
+    out.mkdir()
+    TrainConfig(model="saved-model", data="saved.txt", output_dir=str(out), steps=9, lr=0.01).save(out / "config.json")
+    calls = _record(monkeypatch, "unimae.trainer.train", TrainResult(out, out / "adapter", 12, False, 1.0))
+    assert main(["train", "--resume", "--output-dir", str(out), "--steps", "12"]) == 0
+    (config,), kwargs = calls[0]
+    assert kwargs == {"resume": True}
+    assert (config.model, config.data, config.lr, config.steps) == ("saved-model", "saved.txt", 0.01, 12)
+
+
+def test_generate_prints_the_models_greedy_continuation(tiny_model_dirs, capsys):
+    from unimae.encoder import Encoder
+
+    tiny = str(tiny_model_dirs["llama"])
+    assert main(["generate", "--model", tiny, "--precision", "fp32", "--max-new-tokens", "5", "the cat"]) == 0
+    expected = Encoder.from_pretrained(tiny, precision="fp32").generate("the cat", max_new_tokens=5)
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_check_passes_its_options_and_writes_the_rows(monkeypatch, tmp_path, capsys):
+    from unimae.check import CheckResult
+
+    result = CheckResult([("base eos", "STSBenchmark test Spearman", 12.345)], {"base": "Paris"})
+    calls = _record(monkeypatch, "unimae.check.run_check", result)
+    out = tmp_path / "check.json"
+    argv = ["check", "--model", "m", "--adapter", "a", "--sts", "s.jsonl", "--max-paragraphs", "5"]
+    assert main([*argv, "--output", str(out)]) == 0
+    assert calls == [(("m", "a"), {"sts": "s.jsonl", "max_paragraphs": 5})]
+    printed = capsys.readouterr().out
+    assert "| base eos | STSBenchmark test Spearman | 12.35 |" in printed and "(base): 'Paris'" in printed
+    assert json.loads(out.read_text()) == {
+        "rows": [["base eos", "STSBenchmark test Spearman", 12.345]],
+        "generation": {"base": "Paris"},
+    }
+
+
+def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeypatch, tmp_path, capsys):
+    from unimae.evaluation.embeddings import EmbeddingRun
+
+    run = EmbeddingRun("lbl", tmp_path / "lbl", errors={"SciFact": "no folder"})
+    calls = _record(monkeypatch, "unimae.evaluation.embeddings.evaluate_embeddings", run)
+    argv = ["evaluate", "embeddings", "--model", "m", "--adapter", "a", "--pooling", "mean"]
+    argv += ["--attention", "bidirectional", "--tasks", "STSBenchmark", "SciFact", "--data-dir", "d"]
+    argv += ["--output-dir", str(tmp_path), "--label", "lbl", "--batch-size", "8", "--max-length", "64"]
+    argv += ["--precision", "fp32", "--no-cache", "--rerun"]
+    assert main(argv) == 1
+    assert calls == [
+        (
+            ("m", ["STSBenchmark", "SciFact"], tmp_path),
+            dict(
+                adapter="a",
+                pooling="mean",
+                attention="bidirectional",
+                data_dir=Path("d"),
+                label="lbl",
+                batch_size=8,
+                max_length=64,
+                precision="fp32",
+                use_cache=False,
+                rerun=True,
+            ),
+        )
+    ]
+    assert "FAILED SciFact: no folder" in capsys.readouterr().err
+
+
+def test_evaluate_summary_finds_every_evaluated_label(monkeypatch, tmp_path, capsys):
+    for label in ("b", "a"):
+        (tmp_path / label).mkdir()
+        (tmp_path / label / "run.json").write_text("{}")
+    (tmp_path / "not-a-run").mkdir()
+    written = (tmp_path / "t.md", tmp_path / "t.csv", "T")
+    calls = _record(monkeypatch, "unimae.evaluation.summary.write_summary", written)
+    argv = ["evaluate", "summary", "--output-dir", str(tmp_path), "--tasks", "STSBenchmark", "--name", "t"]
+    assert main(argv) == 0
+    assert calls == [((tmp_path, ["a", "b"], ["STSBenchmark"], "t"), {})]
+    assert main([*argv, "--labels", "b"]) == 0
+    assert calls[1] == ((tmp_path, ["b"], ["STSBenchmark"], "t"), {})
+    assert capsys.readouterr().out.startswith("T\n")
+
+
+def test_evaluate_figures_embeds_the_sample_with_the_base_model(monkeypatch, tiny_model_dirs, tmp_path):
+    from unimae.encoder import Encoder
+
+    classes = ["a", "b"] * 3
+    monkeypatch.setattr("unimae.evaluation.figures.clustering_sample", lambda data_dir: (SENTENCES[:6], classes))
+    calls = _record(monkeypatch, "unimae.evaluation.figures.tsne_figure", tmp_path / "tsne.png")
+    tiny = str(tiny_model_dirs["llama"])
+    argv = ["evaluate", "figures", "--model", tiny, "--data-dir", "d", "--output-dir", str(tmp_path)]
+    assert main([*argv, "--precision", "fp32"]) == 0
+    (panels, labels, path, _), _ = calls[0]
+    assert list(panels) == ["base model, eos pooling"] and labels == classes and path == tmp_path / "tsne.png"
+    expected = Encoder.from_pretrained(tiny, pooling="eos", max_length=128, precision="fp32").encode(SENTENCES[:6])
+    np.testing.assert_allclose(panels["base model, eos pooling"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_evaluate_generation_passes_its_options_and_prints_headline_metrics(monkeypatch, tmp_path, capsys):
+    summary = {"results": {"piqa": {"acc_norm,none": 0.5, "acc,none": 0.25}}, "seconds": 1.0}
+    calls = _record(monkeypatch, "unimae.evaluation.generation.evaluate_generation", summary)
+    argv = ["evaluate", "generation", "--model", "m", "--tasks", "piqa", "--data-dir", "d"]
+    argv += ["--output-dir", str(tmp_path), "--limit", "3", "--batch-size", "2", "--precision", "fp32"]
+    assert main(argv) == 0
+    assert calls == [(("m", None, tmp_path, Path("d")), dict(tasks=["piqa"], limit=3, batch_size=2, precision="fp32"))]
+    assert capsys.readouterr().out.splitlines()[0].split() == ["piqa", "acc_norm", "0.5000"]
+
+
+def test_compare_builds_its_config_from_the_flags(monkeypatch, tmp_path):
+    from unimae.evaluation.compare import CompareConfig
+
+    calls = _record(monkeypatch, "unimae.evaluation.compare.run_compare", {"embeddings": "| table |"})
+    argv = ["compare", "--model", "m", "--adapter", "x/adapter", "--adapter", "y/adapter", "--data-dir", "d"]
+    argv += ["--output-dir", str(tmp_path), "--tasks", "STSBenchmark", "--batch-size", "4"]
+    argv += ["--generation-limit", "2", "--no-reference", "--no-generation"]
+    assert main(argv) == 0
+    assert calls == [
+        (
+            (
+                CompareConfig(
+                    model="m",
+                    adapters=["x/adapter", "y/adapter"],
+                    data_dir=Path("d"),
+                    output_dir=tmp_path,
+                    tasks=["STSBenchmark"],
+                    reference=False,
+                    generation=False,
+                    generation_limit=2,
+                    batch_size=4,
+                ),
+            ),
+            {},
+        )
+    ]
+
+
+def test_export_passes_its_options(monkeypatch, tmp_path, capsys):
+    calls = _record(monkeypatch, "unimae.export.export", tmp_path / "st")
+    argv = ["export", "--model", "m", "--adapter", "a", "--format", "sentence-transformers"]
+    assert main([*argv, "--output", str(tmp_path / "st"), "--max-length", "128"]) == 0
+    assert calls == [(("m", "a", str(tmp_path / "st")), {"fmt": "sentence-transformers", "max_length": 128})]
+    assert f"wrote sentence-transformers export to {tmp_path / 'st'}" in capsys.readouterr().out
 
 
 def test_every_help_page_renders(capsys):
     """argparse %-formats help text: a bare '%' in any option's help crashes ``--help``."""
-    import pytest
-
     from unimae.cli import build_parser
 
     parser = build_parser()

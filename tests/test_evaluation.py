@@ -3,8 +3,9 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, build_model, build_tokenizer
 
 needs_data = pytest.mark.skipif(
     not (SHARED_DATA / "sts").is_dir(), reason=f"evaluation data not found at {SHARED_DATA} (set UNIMAE_DATA)"
@@ -86,8 +87,17 @@ def tiny_encoder(tiny_model_dirs):
     return Encoder.from_pretrained(str(tiny_model_dirs["llama"]), pooling="eos", precision="fp32", max_length=64)
 
 
+def _cosine(a, b):
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
 @needs_data
-def test_each_task_type_runs_through_mteb_with_scores_in_range(tiny_model_dirs, tiny_encoder, data_slice, tmp_path):
+def test_each_task_type_runs_through_mteb_and_scores_match_an_independent_computation(
+    tiny_model_dirs, tiny_encoder, data_slice, tmp_path
+):
+    from scipy.stats import spearmanr
+    from sklearn.metrics import average_precision_score
+
     from unimae.evaluation.embeddings import evaluate_embeddings
 
     run = evaluate_embeddings(
@@ -95,18 +105,115 @@ def test_each_task_type_runs_through_mteb_with_scores_in_range(tiny_model_dirs, 
     )
     assert not run.errors, run.errors
     assert set(run.scores) == set(SLICE_TASKS)
-    for task, score in run.scores.items():
-        assert -1.0 <= score <= 1.0, (task, score)
-        saved = json.loads((tmp_path / "tiny" / f"{task}.json").read_text())
-        assert saved["task_name"] == task and "scores" in saved and "mteb_version" in saved
+    saved = {}
+    for task in SLICE_TASKS:
+        saved[task] = json.loads((tmp_path / "tiny" / f"{task}.json").read_text())
+        assert saved[task]["task_name"] == task and "mteb_version" in saved[task]
+        assert run.scores[task] == pytest.approx(saved[task]["scores"]["test"][0]["main_score"], abs=1e-6)
+    for task, folder in [("STSBenchmark", "sts"), ("STS17", "sts"), ("TwitterURLCorpus", "pair_classification")]:
+        rows = [json.loads(line) for line in (data_slice / folder / task / "test.jsonl").open()]
+        a = tiny_encoder.encode([r["sentence1"] for r in rows])
+        b = tiny_encoder.encode([r["sentence2"] for r in rows])
+        if folder == "sts":  # main score: Spearman of cosine similarity with the gold scores
+            expected = spearmanr(_cosine(a, b), [r["score"] for r in rows]).statistic
+            assert run.scores[task] == pytest.approx(expected, abs=1e-4), task
+        else:
+            expected = average_precision_score([r["label"] for r in rows], _cosine(a, b))
+            assert saved[task]["scores"]["test"][0]["cosine_ap"] == pytest.approx(expected, abs=1e-4)
     meta = json.loads((tmp_path / "tiny" / "run.json").read_text())
     assert meta["pooling"] == "eos" and set(meta["tasks"]) == set(SLICE_TASKS)
 
 
+def _oracle_data(root: Path) -> dict[str, np.ndarray]:
+    """Hand-made data of each task type, in the shared/data layout, and an embedding per text that
+    solves it exactly: cosine = gold score / 5 (STS), 1 or 0 (pairs), one direction per label
+    (classification, clustering), queries orthogonal to all but their relevant documents (retrieval).
+    Every score of a correct pipeline is then 1.0; a misaligned label or text lowers it."""
+    vectors: dict[str, np.ndarray] = {}
+
+    def directions(n: int) -> list[np.ndarray]:
+        return list(np.eye(64)[:n])
+
+    def write(path: Path, rows: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    for task in ("STSBenchmark", "STS17"):
+        rows, axes = [], directions(24)
+        for i in range(12):
+            gold = (7 * i) % 6  # 0..5, with ties
+            rows.append({"sentence1": f"{task} first {i:02d}", "sentence2": f"{task} second {i:02d}", "score": gold})
+            u, w = axes[2 * i], axes[2 * i + 1]
+            vectors[rows[-1]["sentence1"]] = u
+            vectors[rows[-1]["sentence2"]] = gold / 5 * u + np.sqrt(1 - (gold / 5) ** 2) * w
+        write(root / "sts" / task / "test.jsonl", rows)
+    rows, axes = [], directions(24)
+    for i in range(12):
+        rows.append({"sentence1": f"tweet {i:02d}", "sentence2": f"url title {i:02d}", "label": i % 3 == 0})
+        vectors[rows[-1]["sentence1"]] = axes[2 * i]
+        vectors[rows[-1]["sentence2"]] = axes[2 * i] if i % 3 == 0 else axes[2 * i + 1]
+    for row in rows:
+        row["label"] = int(row["label"])
+    write(root / "pair_classification" / "TwitterURLCorpus" / "test.jsonl", rows)
+    labels, axes = ["card_arrival", "card_linking", "exchange_rate"], directions(3)
+    for split, n in (("train", 8), ("test", 4)):
+        rows = [{"text": f"{label} {split} {i:02d}", "label": label} for label in labels for i in range(n)]
+        vectors.update({r["text"]: axes[labels.index(r["label"])] for r in rows})
+        write(root / "classification" / "Banking77Classification" / f"{split}.jsonl", rows)
+    topics, axes = ["sci.space", "rec.autos", "sci.med", "misc.forsale"], directions(4)
+    sentences = [f"{topic} post {i:02d}" for i in range(5) for topic in topics]
+    vectors.update({s: axes[topics.index(s.split()[0])] for s in sentences})
+    write(
+        root / "clustering" / "TwentyNewsgroupsClustering" / "test.jsonl",
+        [{"sentences": sentences, "labels": [s.split()[0] for s in sentences]}],
+    )
+    relevant = {"q0": ["d0", "d1"], "q1": ["d2"], "q2": ["d3"], "q3": ["d4"]}  # d5..d9: distractors
+    axes = directions(14)
+    queries = [{"_id": q, "text": f"claim {q}"} for q in relevant]
+    corpus = [{"_id": f"d{i}", "title": f"Title d{i}", "text": f"abstract of d{i}"} for i in range(10)]
+    for j, query in enumerate(queries):
+        vectors[query["text"]] = axes[j]
+    for i, doc in enumerate(corpus):
+        about = [j for j, q in enumerate(relevant) if doc["_id"] in relevant[q]]
+        vectors[f"{doc['title']} {doc['text']}"] = axes[4 + i] + sum((axes[j] for j in about), np.zeros(64))
+    target = root / "retrieval" / "SciFact"
+    write(target / "queries.jsonl", queries)
+    write(target / "corpus.jsonl", corpus)
+    qrels = [f"{q}\t{d}\t1" for q, docs in relevant.items() for d in docs]
+    (target / "qrels").mkdir()
+    (target / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(qrels) + "\n")
+    return vectors
+
+
+def test_an_embedding_that_solves_each_task_scores_one_on_every_task_type(
+    tiny_model_dirs, tiny_encoder, tmp_path, monkeypatch
+):
+    from unimae.evaluation.embeddings import evaluate_embeddings
+
+    vectors = _oracle_data(tmp_path / "data")
+    embedded = []
+
+    def oracle(texts, batch_size=32, normalize=False, show_progress=None):
+        embedded.extend(texts)
+        return np.stack([vectors[t] for t in texts]).astype(np.float32)
+
+    monkeypatch.setattr(tiny_encoder, "encode", oracle)
+    run = evaluate_embeddings(
+        str(tiny_model_dirs["llama"]),
+        SLICE_TASKS,
+        tmp_path / "out",
+        data_dir=tmp_path / "data",
+        label="oracle",
+        encoder=tiny_encoder,
+        use_cache=False,
+    )
+    assert not run.errors, run.errors
+    assert run.scores == pytest.approx(dict.fromkeys(SLICE_TASKS, 1.0))
+    assert set(embedded) == set(vectors)  # every text of every task went through the encoder
+
+
 @needs_data
 def test_cache_returns_identical_embeddings_and_scores(tiny_model_dirs, tiny_encoder, data_slice, tmp_path):
-    import numpy as np
-
     from unimae.evaluation.embedding_cache import EmbeddingCache
     from unimae.evaluation.embeddings import evaluate_embeddings
 
@@ -190,28 +297,115 @@ def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder,
     assert md_path.name == "table1.md" and (tmp_path / "out" / "table1.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def uniform_lm_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 whose logits are all zero: every token has log-probability -ln(vocab size)."""
+    import torch
+
+    directory = tmp_path_factory.mktemp("uniform-qwen2")
+    tokenizer = build_tokenizer(add_bos=False, with_mask=False)
+    model = build_model("qwen2", len(tokenizer))
+    torch.nn.init.zeros_(model.lm_head.weight)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _first_rows(task: str, n: int) -> list[dict]:
+    path = next((SHARED_DATA / "generation" / task).glob("*.jsonl"))
+    with open(path) as handle:
+        return [json.loads(next(handle)) for _ in range(n)]
+
+
+def _choice_scores(tokenizer, log_v: float, contexts: list[str], continuations: list[str]) -> np.ndarray:
+    """Log-likelihoods under uniform logits: -ln(V) per continuation token, the continuation's tokens
+    being those of context + continuation after the context's (lm-eval's convention)."""
+    return np.array(
+        [
+            -(len(tokenizer.encode(c + k)) - len(tokenizer.encode(c))) * log_v
+            for c, k in zip(contexts, continuations, strict=True)
+        ]
+    )
+
+
 @needs_data
-def test_generation_suite_runs_through_lm_eval(tiny_model_dirs, tmp_path):
+def test_generation_suite_matches_hand_computed_scores_of_a_uniform_model(uniform_lm_dir, tmp_path):
+    """With uniform logits every metric is a function of token counts alone, computed here from the
+    task files and the YAMLs' prompt formats, so each task's data, prompt, choices and gold label
+    must reach lm-eval intact for the scores to match."""
+    import math
+    import re
+
+    from transformers import AutoTokenizer
+
+    from unimae.corpus import enwiki_gensim_paragraphs
     from unimae.evaluation.generation import GENERATION_TASKS, HEADLINE_METRIC, evaluate_generation
 
+    limit = 3
     summary = evaluate_generation(
-        str(tiny_model_dirs["llama"]),
-        None,
-        tmp_path,
-        SHARED_DATA,
-        limit=3,
-        batch_size=4,
-        max_length=128,
-        precision="fp32",
+        str(uniform_lm_dir), None, tmp_path, SHARED_DATA, limit=limit, batch_size=4, max_length=128, precision="fp32"
     )
     assert set(summary["results"]) == set(GENERATION_TASKS)
-    for task, metrics in summary["results"].items():
-        value = metrics[HEADLINE_METRIC[task]]
-        if "perplexity" in HEADLINE_METRIC[task]:
-            assert value > 1.0
-        else:
-            assert 0.0 <= value <= 1.0
-    assert json.loads((tmp_path / "generation.json").read_text())["limit"] == 3
+    assert all(summary["n_samples"][t]["effective"] == limit for t in GENERATION_TASKS)
+    assert json.loads((tmp_path / "generation.json").read_text())["limit"] == limit
+    tokenizer = AutoTokenizer.from_pretrained(uniform_lm_dir)
+    log_v = math.log(len(tokenizer))
+
+    def multiple_choice(items) -> tuple[float, float]:
+        """(acc, acc_norm) over (contexts, continuations, choices, gold); ties go to the first choice."""
+        acc = acc_norm = 0
+        for contexts, continuations, choices, gold in items:
+            scores = _choice_scores(tokenizer, log_v, contexts, continuations)
+            acc += int(np.argmax(scores)) == gold
+            acc_norm += int(np.argmax(scores / np.array([len(c) for c in choices]))) == gold
+        return acc / len(items), acc_norm / len(items)
+
+    def same_context(context: str, choices: list[str], gold: int):
+        return [context] * len(choices), [" " + c for c in choices], choices, gold
+
+    def winogrande(doc):  # partial evaluation: the options fill the blank, the rest is the continuation
+        blank = doc["sentence"].index("_")
+        contexts = [doc["sentence"][:blank] + option for option in (doc["option1"], doc["option2"])]
+        rest = " " + doc["sentence"][blank + 1 :].strip()
+        return contexts, [rest, rest], contexts, int(doc["answer"]) - 1
+
+    expected = {
+        "piqa": multiple_choice(
+            [
+                same_context(f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], d["label"])
+                for d in _first_rows("piqa", limit)
+            ]
+        ),
+        "arc_easy": multiple_choice(
+            [
+                same_context(
+                    f"Question: {d['question']}\nAnswer:", d["choices"], d["choice_labels"].index(d["answerKey"])
+                )
+                for d in _first_rows("arc_easy", limit)
+            ]
+        ),
+        "hellaswag": multiple_choice(
+            [same_context(d["ctx"], d["endings"], int(d["label"])) for d in _first_rows("hellaswag", limit)]
+        ),
+        "winogrande": multiple_choice([winogrande(d) for d in _first_rows("winogrande", limit)]),
+    }
+    results = summary["results"]
+    for task, (acc, acc_norm) in expected.items():
+        assert results[task]["acc,none"] == pytest.approx(acc), task
+        if task != "winogrande":
+            assert results[task]["acc_norm,none"] == pytest.approx(acc_norm), task
+    # LAMBADA: greedy decoding of uniform logits picks token 0 (<pad>), never the last word.
+    lambada = [d["text"].rsplit(" ", 1) for d in _first_rows("lambada_openai", limit)]
+    lambada_ll = _choice_scores(tokenizer, log_v, [c for c, _ in lambada], [" " + w for _, w in lambada])
+    assert results["lambada_openai"]["acc,none"] == 0.0
+    assert results["lambada_openai"]["perplexity,none"] == pytest.approx(math.exp(-lambada_ll.mean()), rel=1e-4)
+    # Held-out perplexity: every token of each paragraph predicted once, at -ln(V).
+    docs = enwiki_gensim_paragraphs("heldout")[:limit]
+    nll = sum(len(tokenizer.encode(d)) for d in docs) * log_v
+    words = sum(len(re.split(r"\s+", d)) for d in docs)
+    wiki = results["wiki_heldout"]
+    assert wiki[HEADLINE_METRIC["wiki_heldout"]] == pytest.approx(math.exp(nll / words), rel=1e-4)
+    assert wiki["byte_perplexity,none"] == pytest.approx(math.exp(nll / sum(len(d.encode()) for d in docs)), rel=1e-4)
 
 
 def test_generation_without_data_dir_is_a_clear_error(tiny_model_dirs, tmp_path):
@@ -279,6 +473,9 @@ def test_attention_override_is_recorded_and_changes_the_embeddings(tiny_model_di
         )
         meta = json.loads((tmp_path / "out" / attention / "run.json").read_text())
         assert meta["attention"] == attention
-    # Separate cache entries: the bidirectional run embedded its texts instead of reusing the causal ones.
-    assert runs["bidirectional"].cache_misses > 0
+    # Separate cache entries: the bidirectional run embedded every text itself, exactly as the causal run did,
+    # instead of reusing the causal embeddings.
+    causal, bidirectional = runs["causal"], runs["bidirectional"]
+    assert causal.cache_misses > 0
+    assert (bidirectional.cache_hits, bidirectional.cache_misses) == (causal.cache_hits, causal.cache_misses)
     assert runs["causal"].scores["STSBenchmark"] != runs["bidirectional"].scores["STSBenchmark"]

@@ -33,3 +33,59 @@ def test_hf_export_loads_in_transformers_and_refuses_overwrite(tiny_model_dirs, 
     assert model.config.hidden_size == 64 and "EOS" in (out / "README.md").read_text()
     with pytest.raises(FileExistsError):
         export(str(tiny_model_dirs["llama"]), None, out, fmt="hf")
+
+
+def _adapter_with_spec(tiny_dir, directory, spec):
+    """A real (fresh) LoRA adapter of ``tiny_dir`` whose unimae.json records ``spec``."""
+    from peft import LoraConfig, get_peft_model
+
+    from unimae.adapter import base_fingerprint, write_adapter_meta
+    from unimae.models import load_model
+
+    model, _, _ = load_model(str(tiny_dir))
+    fingerprint = base_fingerprint(model)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    lora.save_pretrained(directory)
+    write_adapter_meta(directory, fingerprint, str(tiny_dir), spec)
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"attention": "bidirectional", "pooling": "mean"},
+        {"attention": "gem", "pooling": "summary", "summary_ids": (5,)},
+        {"attention": "causal", "pooling": "echo"},
+    ],
+    ids=["mntp", "gem", "echo"],
+)
+def test_sentence_transformers_export_refuses_what_it_cannot_express(tiny_model_dirs, tmp_path, spec):
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.export import export
+
+    adapter = _adapter_with_spec(tiny_model_dirs["llama"], tmp_path / "adapter", EmbeddingSpec(**spec))
+    with pytest.raises(ValueError, match=f"embeds with {spec['attention']} attention, {spec['pooling']} pooling"):
+        export(str(tiny_model_dirs["llama"]), adapter, tmp_path / "st", fmt="sentence-transformers")
+    assert not (tmp_path / "st").exists(), "nothing written"
+
+
+def test_mean_adapter_exports_mean_pooling_and_hf_card_states_the_spec(tiny_model_dirs, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    from unimae.adapter import embedding_spec
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.encoder import Encoder
+    from unimae.export import export
+
+    tiny = str(tiny_model_dirs["llama"])
+    mntp = _adapter_with_spec(tiny, tmp_path / "mntp", EmbeddingSpec("bidirectional", "mean"))
+    hf = export(tiny, mntp, tmp_path / "hf", fmt="hf")
+    assert "bidirectional attention, mean pooling" in (hf / "README.md").read_text()
+    assert embedding_spec(hf) == EmbeddingSpec("bidirectional", "mean"), "the export keeps the spec in unimae.json"
+    causal_mean = _adapter_with_spec(tiny, tmp_path / "mean", EmbeddingSpec("causal", "mean"))
+    out = export(tiny, causal_mean, tmp_path / "st", fmt="sentence-transformers", max_length=16)
+    ours = Encoder.from_pretrained(tiny, adapter=causal_mean, precision="fp32", max_length=16)
+    assert ours.spec == EmbeddingSpec("causal", "mean")
+    texts = SENTENCES[:4]
+    theirs = SentenceTransformer(str(out), device="cpu").encode(texts, normalize_embeddings=True)
+    assert (ours.encode(texts, normalize=True) * theirs).sum(1).min() >= 0.9999

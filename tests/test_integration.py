@@ -5,34 +5,16 @@ Marked ``integration``; `make test` (and CI) runs them. They use the user's mode
 """
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REAL_CACHE
 
 pytestmark = pytest.mark.integration
-
-REAL_CACHE = os.environ.get("UNIMAE_CACHE_REAL", str(Path.home() / ".cache" / "unimae"))
-
 
 @pytest.fixture
 def real_cache(monkeypatch):
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
-
-
-@pytest.fixture(scope="module")
-def smollm2_encoder():
-    os.environ.setdefault("UNIMAE_CACHE", REAL_CACHE)
-    from unimae.encoder import Encoder
-
-    old = os.environ.get("UNIMAE_CACHE")
-    os.environ["UNIMAE_CACHE"] = REAL_CACHE
-    try:
-        return Encoder.from_pretrained("smollm2-135m", pooling="eos", max_length=128)
-    finally:
-        if old is not None:
-            os.environ["UNIMAE_CACHE"] = old
 
 
 def test_train_a_few_steps_of_real_smollm2(real_cache, tmp_path):

@@ -55,3 +55,32 @@ def test_mrc_gradient_reaches_llm_only_through_h_eos():
     loss.backward()
     assert h_eos.grad is not None and h_eos.grad.abs().sum() > 0
     assert embed.weight.grad is None and head.weight.grad is None
+
+
+def test_tiny_decoder_queries_differ_by_position_even_when_h_eos_is_large():
+    """Eq. 3: query i = h_eos + p_i must ask for token i. With h_eos at the scale of a real LLM's
+    last layer (RMS ~2-3 per dimension), the old N(0, 0.02) positions vanished next to it."""
+    torch.manual_seed(0)
+    h_eos = 3.0 * torch.randn(2, 64)  # (B, D) like Gemma's h_eos scale
+    tokens = torch.randn(2, 6, 64)  # (B, T, D)
+    visible = torch.ones(2, 6, 7, dtype=torch.bool)
+
+    def position_cosine(positions: str) -> float:
+        torch.manual_seed(1)
+        out = TinyDecoder(64, 4, 128, 16, positions=positions)(h_eos, tokens, visible)  # (B, T, D)
+        return torch.nn.functional.cosine_similarity(out[:, 0], out[:, 3], dim=-1).min().item()
+
+    assert position_cosine("legacy") > 0.99, "the old decoder gave every position (almost) the same output"
+    assert position_cosine("scaled") < 0.9, "queries at different positions must differ"
+    with pytest.raises(ValueError, match="positions must be one of"):
+        TinyDecoder(64, 4, 128, 16, positions="rope")
+
+
+def test_uniform_p_mar_sampling_varies_the_rate_per_row():
+    ids = [list(range(2, 102))] * 8  # 8 rows of 100 tokens, EOS-less is fine for corruption counts
+    fixed = UniMAECollator(0, 1, None, p_mar=0.5, p_mrc=0.5, seed=0)(ids, list(range(8)))
+    uniform = UniMAECollator(0, 1, None, p_mar=0.5, p_mrc=0.5, seed=0, p_mar_sampling="uniform")(ids, list(range(8)))
+    rate_fixed = (fixed.corrupted_ids == 1).float().mean(1)  # (8,)
+    rate_uniform = (uniform.corrupted_ids == 1).float().mean(1)  # (8,)
+    assert ((rate_fixed - 0.5).abs() < 0.2).all()
+    assert rate_uniform.min() < 0.2 and rate_uniform.max() > rate_uniform.min() + 0.15 and rate_uniform.max() <= 0.6

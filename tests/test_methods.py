@@ -1,5 +1,6 @@
 """Every training method on tiny random models: loss goes down on a tiny overfit, masks, chaining, bad input."""
 
+import argparse
 import json
 
 import numpy as np
@@ -8,10 +9,12 @@ import torch
 from conftest import SENTENCES
 
 from unimae.adapter import adapter_meta
-from unimae.config import METHODS, TrainConfig
+from unimae.config import TrainConfig, add_config_arguments
 from unimae.corpus import CorpusError
 from unimae.encoder import Encoder
-from unimae.methods import METHOD_REGISTRY, Context, get_method, load_pairs, summary_tokens
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.losses.objective import Objective
+from unimae.methods import METHOD_REGISTRY, Context, Method, get_method, load_pairs, summary_tokens
 from unimae.models import load_model
 from unimae.trainer import train
 
@@ -55,10 +58,33 @@ def pairs_file(tmp_path):
     return path
 
 
-def test_registry_matches_config():
-    assert set(METHOD_REGISTRY) == set(METHODS)
+def test_registry_is_the_one_list_of_methods():
+    assert set(METHOD_REGISTRY) >= {"unimae", "mntp", "simcse", "contrastive", "gem"}
+    assert all(issubclass(cls, Method) and cls.name == name for name, cls in METHOD_REGISTRY.items())
     with pytest.raises(ValueError, match="unknown method"):
         get_method("bert")
+    with pytest.raises(ValueError, match="unknown method 'bert'"):
+        TrainConfig(method="bert").validate()
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    assert parser.parse_args(["--method", "gem"]).method == "gem"  # the CLI's choices come from the registry
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--method", "bert"])
+
+
+@pytest.mark.parametrize("name", ["unimae", "mntp", "simcse", "gem"])
+def test_every_method_builds_an_objective_whose_batches_it_collates(tiny_model_dirs, name):
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
+    config = TrainConfig(method=name, max_length=24)
+    method = get_method(name)(config, Context(tokenizer, tokenizer.mask_token_id, EmbeddingSpec()))
+    objective = method.build_objective(model)
+    assert isinstance(objective, Objective) and objective.llm is model
+    objective.set_step(0)
+    batch = method.collate(SENTENCES[:3], [0, 1, 2])
+    assert batch.num_tokens == int(batch["attention_mask"].sum()) > 0
+    losses = objective(batch)
+    assert losses["loss"].ndim == 0 and torch.isfinite(losses["loss"])
+    assert isinstance(method.embedding_spec(), EmbeddingSpec)
 
 
 @pytest.mark.parametrize(
@@ -119,10 +145,8 @@ def test_mntp_then_simcse_keeps_bidirectional_mean(tiny_model_dirs, small_corpus
 def test_mntp_collator_masks_only_inner_tokens_and_targets_them(tiny_model_dirs):
     _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     config = TrainConfig(method="mntp", mntp_p_mask=0.5, max_length=32)
-    ctx = Context(
-        tokenizer, tokenizer.mask_token_id, [], {"attention": "causal", "pooling": "eos", "pooling_options": {}}
-    )
-    batch = get_method("mntp").collator(config, ctx)(SENTENCES[:4], [0, 1, 2, 3])
+    ctx = Context(tokenizer, tokenizer.mask_token_id, EmbeddingSpec())
+    batch = get_method("mntp")(config, ctx).collate(SENTENCES[:4], [0, 1, 2, 3])
     changed = batch["corrupted_ids"] != batch["input_ids"]
     assert torch.equal(changed, batch["targets"]) and changed.any()
     assert (batch["corrupted_ids"][changed] == tokenizer.mask_token_id).all()
@@ -136,8 +160,8 @@ def test_gem_collator_inserts_summary_tokens_in_some_rows(tiny_model_dirs):
     _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     ids = summary_tokens(tokenizer, 2)
     config = TrainConfig(method="gem", num_summary_tokens=2, gem_plain_share=0.5, max_length=32)
-    ctx = Context(tokenizer, tokenizer.mask_token_id, ids, {})
-    batch = get_method("gem").collator(config, ctx)(SENTENCES, list(range(len(SENTENCES))))
+    ctx = Context(tokenizer, tokenizer.mask_token_id, EmbeddingSpec())
+    batch = get_method("gem")(config, ctx).collate(SENTENCES, list(range(len(SENTENCES))))
     with_summary = batch["summary"].any(1)
     assert 0 < int(with_summary.sum()) < len(SENTENCES), "some rows plain, some with summary tokens"
     for row in torch.nonzero(with_summary).flatten().tolist():

@@ -1,13 +1,12 @@
 """Training runs, checkpoints, resume, Ctrl-C and bad input on tiny random models."""
 
 import json
-import os
 import signal
-import threading
 
 import pytest
 import torch
 
+from unimae import trainer
 from unimae.checkpoint import CheckpointError, checkpoint_dir
 from unimae.config import TrainConfig
 from unimae.encoder import Encoder
@@ -75,17 +74,58 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_dir, corpus_file, tmp_p
         train(_config(tiny_dir, corpus_file, tmp_path / "empty"), resume=True)
 
 
-def test_sigint_saves_a_checkpoint_and_stops(tiny_dir, corpus_file, tmp_path):
+def _signal_during_step(monkeypatch, step: int, batch_size: int, signals: list[int]) -> None:
+    """Send ``signals`` to this process while the trainer picks the first example of ``step`` (1-based).
+
+    Examples are picked only inside the training loop, after train() installed its stop handler; that
+    handler (not pytest's) is checked before any signal is sent, so none can reach the test process.
+    """
+    real_text_index = trainer.DataOrder.text_index
+    pytest_handlers = {sig: signal.getsignal(sig) for sig in signals}
+    pending = [(step - 1) * batch_size]  # global index of the step's first example
+
+    def text_index(self, example: int) -> int:
+        if pending and example == pending[0]:
+            pending.clear()
+            for sig in signals:
+                if signal.getsignal(sig) is pytest_handlers[sig]:
+                    raise AssertionError(f"train() installed no handler for {signal.Signals(sig).name}")
+                signal.raise_signal(sig)
+        return real_text_index(self, example)
+
+    monkeypatch.setattr(trainer.DataOrder, "text_index", text_index)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stop_signal_finishes_the_step_saves_and_resume_continues_the_same_run(
+    sig, tiny_dir, corpus_file, tmp_path, monkeypatch
+):
+    straight = tmp_path / "straight"
+    train(_config(tiny_dir, corpus_file, straight, save_every=0))
     out = tmp_path / "run"
-    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        result = train(_config(tiny_dir, corpus_file, out, steps=100000, save_every=0))
-    finally:
-        timer.cancel()
-    assert result.interrupted and 0 < result.steps < 100000
-    assert (checkpoint_dir(out) / f"step-{result.steps:06d}" / "state.pt").is_file()
-    assert (out / "adapter" / "adapter_config.json").is_file()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with monkeypatch.context() as patch:
+        _signal_during_step(patch, step=2, batch_size=4, signals=[sig])
+        result = train(_config(tiny_dir, corpus_file, out, save_every=0))
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # the test process's handlers are back
+    assert result.interrupted and result.steps == 2
+    assert [r["step"] for r in _log(out)] == [1, 2]  # step 2 (signalled mid-step) finished, step 3 never began
+    assert sorted(p.name for p in checkpoint_dir(out).iterdir()) == ["step-000002"]
+    assert json.loads((out / "adapter" / "unimae.json").read_text())["trained_steps"] == 2
+    resumed = train(_config(tiny_dir, corpus_file, out, save_every=0), resume=True)
+    assert resumed.steps == 4 and not resumed.interrupted
+    for a, b in zip(_log(straight), _log(out), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), a["step"]
+
+
+def test_second_stop_signal_aborts_at_once(tiny_model_dirs, corpus_file, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGINT)
+    _signal_during_step(monkeypatch, step=2, batch_size=4, signals=[signal.SIGINT, signal.SIGINT])
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(tiny_model_dirs["llama"], corpus_file, out, save_every=0))
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert [r["step"] for r in _log(out)] == [1] and not checkpoint_dir(out).exists()
 
 
 def test_bad_batch_split_and_empty_corpus_are_clear_errors(tiny_dir, corpus_file, tmp_path):

@@ -1,8 +1,10 @@
 """Save and load trained adapters, with a fingerprint of the base model they belong to.
 
 An adapter directory is a plain PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)
-plus ``unimae.json``: the base model's fingerprint, pooling and the resolved training config.
-Loading an adapter onto a different base model fails with a message saying which one it needs.
+plus ``unimae.json``: the base model's fingerprint, the :class:`EmbeddingSpec` it was trained for
+(key ``embedding``) and the resolved training config. Loading an adapter onto a different base model
+fails with a message saying which one it needs; a damaged adapter file fails with a message naming it.
+:func:`load_with_adapter` is the one way to get "base model + adapter (+ merged)".
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.files import atomic_write_json, read_json
 
 ADAPTER_META = "unimae.json"
 INIT_ADAPTER = "init_adapter"  # a stage-1 adapter (kept inside a stage-2 one) merged into the base first
@@ -38,9 +43,12 @@ def base_fingerprint(model) -> str:
     return digest.hexdigest()[:24]
 
 
-def write_adapter_meta(directory: str | Path, fingerprint: str, model_spec: str, **extra) -> None:
-    meta = {"base_model": model_spec, "base_fingerprint": fingerprint, "pooling": "eos", **extra}
-    (Path(directory) / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
+def write_adapter_meta(
+    directory: str | Path, fingerprint: str, model_spec: str, embedding: EmbeddingSpec, **extra
+) -> None:
+    """Write ``unimae.json``: base model, its fingerprint, the embedding spec and ``extra`` fields."""
+    meta = {"base_model": model_spec, "base_fingerprint": fingerprint, "embedding": embedding.to_dict(), **extra}
+    atomic_write_json(Path(directory) / ADAPTER_META, meta)
 
 
 @contextlib.contextmanager
@@ -61,8 +69,8 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
             f"{directory} is not an adapter directory (no adapter_config.json); pass the 'adapter' folder "
             "written by `unimae train`"
         )
-    meta_path = directory / ADAPTER_META
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    read_json(directory / "adapter_config.json", "adapter config")  # a clear error before peft parses it
+    meta = adapter_meta(directory)
     expected = meta.get("base_fingerprint")
     if expected and expected != base_fingerprint(model):
         raise ValueError(
@@ -77,6 +85,31 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
             return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
     except RuntimeError as err:  # shape mismatch when the architecture differs
         raise ValueError(f"adapter {directory} does not fit this base model: {err}") from err
+    except Exception as err:  # safetensors' SafetensorError (truncated/empty file) is not an OSError
+        if "safetensor" not in type(err).__name__.lower() and not isinstance(err, (OSError, EOFError)):
+            raise
+        weights = next(directory.glob("adapter_model.*"), directory / "adapter_model.safetensors")
+        raise ValueError(
+            f"adapter weights {weights} cannot be read ({err}); the file is damaged or incomplete: "
+            "copy it again or retrain (`unimae train --resume` finishes an interrupted run)"
+        ) from err
+
+
+def load_with_adapter(model: str, adapter: str | Path | None, dtype: torch.dtype, merge: bool = False):
+    """(model with ``adapter`` attached or merged, tokenizer, resolved model path).
+
+    Merging happens in float32 (exact) and the merged weights are then cast to ``dtype``; unmerged, the
+    base is loaded in ``dtype`` and the LoRA weights stay float32 beside it, as in training.
+    """
+    from unimae.models import load_model
+
+    merge = merge and adapter is not None
+    llm, tokenizer, path = load_model(model, dtype=torch.float32 if merge else dtype)
+    if adapter is not None:
+        llm = attach_adapter(llm, adapter)
+    if merge:
+        llm = llm.merge_and_unload().to(dtype)
+    return llm, tokenizer, path
 
 
 def adapter_revision(adapter: str | None) -> str:
@@ -94,14 +127,9 @@ def adapter_meta(adapter: str | Path | None) -> dict:
     if adapter is None:
         return {}
     path = Path(adapter) / ADAPTER_META
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path, "adapter metadata") if path.is_file() else {}
 
 
-def embedding_settings(adapter: str | Path | None) -> dict:
-    """How an adapter embeds: {"attention", "pooling", "pooling_options"} (causal + eos by default)."""
-    meta = adapter_meta(adapter).get("embedding", {})
-    return {
-        "attention": meta.get("attention", "causal"),
-        "pooling": meta.get("pooling", "eos"),
-        "pooling_options": meta.get("pooling_options", {}),
-    }
+def embedding_spec(adapter: str | Path | None) -> EmbeddingSpec:
+    """How an adapter embeds (causal attention + eos pooling without an adapter or a recorded spec)."""
+    return EmbeddingSpec.from_dict(adapter_meta(adapter).get("embedding"))

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,34 +20,16 @@ from scipy.stats import spearmanr
 
 from unimae.corpus import enwiki_gensim_paragraphs
 from unimae.encoder import Encoder
+from unimae.evaluation.local_data import read_jsonl
+from unimae.files import find_data_dir
 
 STSB_RELATIVE = Path("sts/STSBenchmark/test.jsonl")
 
 
-def find_data_dir() -> Path | None:
-    """The evaluation data folder: $UNIMAE_DATA, else ../shared/data from the project root or cwd."""
-    candidates = [os.environ.get("UNIMAE_DATA")] if os.environ.get("UNIMAE_DATA") else []
-    candidates += [Path(__file__).resolve().parents[3] / "shared" / "data", Path.cwd().parent / "shared" / "data"]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
-    return None
-
-
 def load_sts_pairs(path: str | Path) -> tuple[list[str], list[str], np.ndarray]:
-    s1, s2, scores = [], [], []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                s1.append(row["sentence1"])
-                s2.append(row["sentence2"])
-                scores.append(float(row["score"]))
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{path}, line {number}: expected sentence1, sentence2, score ({err})") from err
-    return s1, s2, np.asarray(scores)
+    """(sentences 1, sentences 2, gold scores) of an STS ``test.jsonl``; a bad line names file and line."""
+    rows = list(read_jsonl(Path(path), ("sentence1", "sentence2", "score"), "STS"))
+    return [r["sentence1"] for r in rows], [r["sentence2"] for r in rows], np.asarray([float(r["score"]) for r in rows])
 
 
 def sts_spearman(encoder: Encoder, s1: list[str], s2: list[str], gold: np.ndarray, batch_size: int = 32) -> float:

@@ -5,6 +5,11 @@ MRC tiny decoder), optimizer and scheduler state, RNG states and the data positi
 the data order and masks are functions of the seed and the example index). A checkpoint is
 written to a temporary folder and renamed into place, so a crash never leaves a half-written one;
 the newest loadable checkpoint wins, and a corrupt one is reported and skipped.
+
+``state.pt`` holds only tensors, numbers, strings and containers of them (numpy's RNG key is stored as a
+tensor), so it is read with ``torch.load(weights_only=True)``: a checkpoint folder from someone else
+cannot run code. Why not ``Accelerator.save_state``: it writes several files non-atomically, pickles
+RNG states (``weights_only=False`` to load) and has no "skip the corrupt newest one" fallback.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """No usable checkpoint; the message says what was found and what to do."""
 
 
@@ -33,15 +38,23 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy and torch RNG states as weights-only-loadable values."""
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -72,7 +85,7 @@ def load_latest_checkpoint(output_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint in {root}; start a new run without --resume")
     for candidate in candidates:
         try:
-            state = torch.load(candidate / STATE_FILE, map_location="cpu", weights_only=False)
+            state = torch.load(candidate / STATE_FILE, map_location="cpu", weights_only=True)
             if "step" not in state or "trainable" not in state:
                 raise ValueError("missing fields")
             return state

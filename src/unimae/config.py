@@ -14,9 +14,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from unimae.pooling import POOLINGS
+from unimae.precision import PRECISIONS
+
 # Recipes override the defaults (which are the CPU recipe). The paper recipe is App. C of the
 # UniMAE paper: global batch 32, max length 512, 100 steps, LoRA r=16/alpha=32, lr 1e-4 constant.
-METHODS = ("unimae", "mntp", "simcse", "contrastive", "gem")
+DROPOUT_PLACES = ("attention", "lora")
 
 RECIPES: dict[str, dict[str, Any]] = {
     "cpu": {},
@@ -43,12 +46,16 @@ class ContrastiveOptions:
         default="attention",
         metadata={
             "help": "simcse/gem: where that dropout acts: 'attention' (attention probabilities, as LLM2Vec) or "
-            "'lora' (LoRA inputs; a fresh LoRA has B = 0, so the views only start to differ after the first step)."
+            "'lora' (LoRA inputs; a fresh LoRA has B = 0, so the views only start to differ after the first step).",
+            "choices": DROPOUT_PLACES,
         },
     )
     pooling: str = field(
         default="auto",
-        metadata={"help": "simcse/contrastive: pooling to train; auto = the --init-adapter's (eos without one)."},
+        metadata={
+            "help": "simcse/contrastive: pooling to train; auto = the --init-adapter's (eos without one).",
+            "choices": lambda: ["auto", *POOLINGS],
+        },
     )
 
 
@@ -90,7 +97,10 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."}
     )
     recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
-    method: str = field(default="unimae", metadata={"help": f"Training objective, one of {METHODS}."})
+    method: str = field(
+        default="unimae",
+        metadata={"help": "Training method (unimae.methods; see the choices).", "choices": lambda: method_names()},
+    )
     init_adapter: str = field(
         default="",
         metadata={"help": "Start from this trained adapter (merged into the base), e.g. UniMAE then --method simcse."},
@@ -108,6 +118,14 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
     alpha: float = field(default=0.1, metadata={"help": "Weight of L_MAR in L = alpha*L_MAR + L_MRC (Eq. 6)."})
     p_mar: float = field(default=0.5, metadata={"help": "Share of input tokens replaced by the mask token (Eq. 1)."})
+    p_mar_sampling: str = field(
+        default="fixed",
+        metadata={
+            "help": "MAR rate per text: 'fixed' (p_mar for every text, Eq. 1) or 'uniform' (each text's rate drawn "
+            "from U(0, p_mar), so training also sees nearly clean text, as at inference).",
+            "choices": ("fixed", "uniform"),
+        },
+    )
     p_mrc: float = field(default=0.5, metadata={"help": "Share of token keys hidden from the tiny decoder (Eq. 4)."})
     mask_token: str = field(
         default="auto",
@@ -129,9 +147,21 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
     mrc_heads: int = field(default=0, metadata={"help": "Tiny decoder attention heads (0: the LLM's)."})
     mrc_intermediate_size: int = field(default=0, metadata={"help": "Tiny decoder MLP width (0: the LLM's)."})
+    mrc_positions: str = field(
+        default="scaled",
+        metadata={
+            "help": "Tiny decoder positions (Eq. 3): 'scaled' (h_eos and token embeddings RMS-normalised, p_i ~ "
+            "N(0, 1), so queries differ by position) or 'legacy' (raw h_eos + p_i ~ N(0, 0.02), earlier results).",
+            "choices": ("scaled", "legacy"),
+        },
+    )
 
     precision: str = field(
-        default="auto", metadata={"help": "'auto' (bf16 autocast where the CPU/GPU supports it), 'bf16' or 'fp32'."}
+        default="auto",
+        metadata={
+            "help": "'auto' (bf16 autocast where the CPU/GPU supports it), 'bf16' or 'fp32'.",
+            "choices": PRECISIONS,
+        },
     )
     ce_chunk_size: int = field(
         default=1024, metadata={"help": "Rows per output-head cross-entropy chunk (no full BxTxV logits)."}
@@ -147,8 +177,8 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         """Check the numbers and return the gradient-accumulation steps per process."""
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {sorted(RECIPES)}")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {METHODS}")
+        if self.method not in method_names():
+            raise ValueError(f"unknown method {self.method!r}; choose one of {method_names()}")
         for name in ("p_mar", "p_mrc"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -160,7 +190,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
                 f"--method {self.method} contrasts each text with the others in its micro-batch; "
                 f"micro_batch_size must be >= 2, got {self.micro_batch_size}"
             )
-        if self.dropout_on not in ("attention", "lora"):
+        if self.dropout_on not in DROPOUT_PLACES:
             raise ValueError(f"dropout_on must be 'attention' or 'lora', got {self.dropout_on!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
@@ -185,6 +215,13 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def method_names() -> list[str]:
+    """The registered training methods (imported late: the methods import this module's types)."""
+    from unimae.methods import METHOD_REGISTRY
+
+    return sorted(METHOD_REGISTRY)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -216,6 +253,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, suppress_defau
         default = f.default
         help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")  # argparse formats help
         kwargs = {"dest": f.name, "help": help_text, "default": argparse.SUPPRESS if suppress_defaults else default}
+        if "choices" in f.metadata:
+            choices = f.metadata["choices"]
+            kwargs["choices"] = choices() if callable(choices) else choices
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -19,11 +20,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from unimae.adapter import attach_adapter, embedding_settings
-from unimae.attention import ATTENTION_RULES
+from unimae.adapter import embedding_spec, load_with_adapter
+from unimae.embedding_spec import EmbeddingSpec
 from unimae.generation import GenerationParams, generate_text
-from unimae.models import load_model
-from unimae.pooling import POOLINGS, build_inputs, pool, pooled_forward
+from unimae.pooling import pool
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
 from unimae.runtime import tune_allocator
 from unimae.tokenization import pad_batch
@@ -32,7 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class Encoder:
-    """A causal LM (optionally with a LoRA adapter) used as a sentence encoder and a generator."""
+    """A causal LM (optionally with a LoRA adapter) used as a sentence encoder and a generator.
+
+    How it embeds is one :class:`EmbeddingSpec` (``spec``): pass it, or its parts (``pooling``,
+    ``attention`` and pooling options such as ``summary_ids``).
+    """
 
     def __init__(
         self,
@@ -44,23 +48,30 @@ class Encoder:
         device: torch.device | str | None = None,
         padding_side: str = "right",
         attention: str = "causal",
+        spec: EmbeddingSpec | None = None,
         **pooling_options,
     ):
-        if pooling not in POOLINGS:
-            raise ValueError(f"unknown pooling {pooling!r}; choose one of {sorted(POOLINGS)}")
+        self.spec = spec or EmbeddingSpec(attention=attention, pooling=pooling, **pooling_options)
         tune_allocator()
         self.device = torch.device(device) if device is not None else default_device()
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        self.pooling = pooling
-        self.pooling_options = pooling_options
         self.max_length = max_length
         self.precision = resolve_precision(precision, self.device)
         self.padding_side = padding_side
         self.adapter_merged = False
-        if attention not in ATTENTION_RULES:
-            raise ValueError(f"unknown attention rule {attention!r}; choose one of {ATTENTION_RULES}")
-        self.attention = attention
+
+    @property
+    def pooling(self) -> str:
+        return self.spec.pooling
+
+    @property
+    def attention(self) -> str:
+        return self.spec.attention
+
+    @property
+    def pooling_options(self) -> dict:
+        return self.spec.pooling_options
 
     @classmethod
     def from_pretrained(
@@ -74,9 +85,9 @@ class Encoder:
     ) -> Encoder:
         """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``.
 
-        ``pooling='auto'`` takes the pooling the adapter was trained for (``eos`` for UniMAE, ``mean`` for
-        MNTP, ``summary`` for GEM; ``eos`` without an adapter); the attention rule (causal, bidirectional
-        for MNTP, gem) comes from the adapter unless ``attention`` is given (None: the adapter's).
+        ``pooling='auto'`` takes the pooling the adapter was trained for (its :class:`EmbeddingSpec`:
+        ``eos`` for UniMAE, ``mean`` for MNTP, ``summary`` for GEM; ``eos`` without an adapter); the attention
+        rule comes from the adapter unless ``attention`` is given (None: the adapter's).
 
         ``merge``: fold the LoRA update into the weights (in fp32, then cast to the run precision), so
         inference runs plain matmuls (about 2x faster on CPU for short texts). The default (None) merges only
@@ -87,31 +98,17 @@ class Encoder:
         """
         device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
         precision = resolve_precision(kwargs.get("precision", "auto"), device)
-        settings = embedding_settings(adapter)
-        if pooling == "auto":
-            pooling = settings["pooling"]
-            for key, value in settings["pooling_options"].items():
-                kwargs.setdefault(key, value)
-        elif pooling == "summary":
-            kwargs.setdefault("summary_ids", settings["pooling_options"].get("summary_ids", ()))
-        attention = attention or settings["attention"]
-        dtype = weight_dtype(precision)
+        spec = _resolve_spec(embedding_spec(adapter), pooling, attention, kwargs)
         merged = adapter is not None and (merge if merge is not None else precision == "fp32")
-        llm, tokenizer, _ = load_model(model, dtype=torch.float32 if merged else dtype)
-        if adapter is not None:
-            llm = attach_adapter(llm, adapter)
-        if merged:
-            llm = llm.merge_and_unload().to(dtype)
-        encoder = cls(llm, tokenizer, pooling=pooling, attention=attention, **kwargs)
+        llm, tokenizer, _ = load_with_adapter(model, adapter, weight_dtype(precision), merge=merged)
+        encoder = cls(llm, tokenizer, spec=spec, **kwargs)
         encoder.adapter_merged = merged
         return encoder
 
     def with_pooling(self, pooling: str, **pooling_options) -> Encoder:
         """A view of this encoder (same loaded model) with another pooling."""
-        if pooling not in POOLINGS:
-            raise ValueError(f"unknown pooling {pooling!r}; choose one of {sorted(POOLINGS)}")
         view = copy.copy(self)
-        view.pooling, view.pooling_options = pooling, pooling_options
+        view.spec = self.spec.with_pooling(pooling, **pooling_options)
         return view
 
     @property
@@ -133,7 +130,7 @@ class Encoder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not texts:
             return np.zeros((0, self.embedding_dim), dtype=np.float32)
-        inputs = build_inputs(self.pooling, self.tokenizer, texts, self.max_length, **self.pooling_options)
+        inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i].ids))
         out = np.zeros((len(texts), self.embedding_dim), dtype=np.float32)
         show = len(texts) > 4 * batch_size if show_progress is None else show_progress
@@ -144,7 +141,7 @@ class Encoder:
             pool_mask, _ = pad_batch([inputs[i].pool for i in chosen], 0, self.padding_side)
             ids, mask, pool_mask = ids.to(self.device), mask.to(self.device), pool_mask.to(self.device)
             with autocast(self.precision, self.device):
-                vectors = pooled_forward(self.model, ids, mask, pool_mask, self.attention)  # (B, D)
+                vectors = self.spec.forward(self.model, ids, mask, pool_mask)  # (B, D)
             if normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[chosen] = vectors.cpu().numpy()
@@ -159,7 +156,7 @@ class Encoder:
         """
         if self.attention != "causal":
             raise ValueError(f"KV-cache reuse needs causal attention; this encoder embeds with {self.attention!r}")
-        item = build_inputs(self.pooling, self.tokenizer, [text], self.max_length, **self.pooling_options)[0]
+        item = self.spec.build_inputs(self.tokenizer, [text], self.max_length)[0]
         ids = torch.tensor([item.ids], device=self.device)  # (1, T)
         with autocast(self.precision, self.device):
             out = self.model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
@@ -193,3 +190,14 @@ class Encoder:
         params = params or GenerationParams(max_new_tokens=max_new_tokens)
         ids = self.prompt_ids(prompt, chat=chat)
         return generate_text(self.model, self.tokenizer, ids, params, precision=self.precision).text
+
+
+_POOLING_OPTIONS = ("summary_ids", "echo_template")
+
+
+def _resolve_spec(trained: EmbeddingSpec, pooling: str, attention: str | None, kwargs: dict) -> EmbeddingSpec:
+    """The adapter's spec, with the caller's pooling / attention / pooling options (popped from kwargs)."""
+    options = {k: kwargs.pop(k) for k in _POOLING_OPTIONS if k in kwargs}
+    spec = trained if pooling == "auto" else trained.with_pooling(pooling)
+    spec = dataclasses.replace(spec, **options) if options else spec
+    return dataclasses.replace(spec, attention=attention) if attention else spec

@@ -4,41 +4,46 @@
   card stating pooling, EOS handling and the training recipe. transformers loads it for generation
   and for embeddings (last-layer state at an appended EOS).
 - ``sentence-transformers``: the same weights as a SentenceTransformer directory: Transformer
-  module + last-token Pooling, and a tokenizer whose post-processor appends EOS after truncation,
-  so ``SentenceTransformer(dir).encode(texts)`` gives unimae's ``eos`` embeddings.
+  module + Pooling. For causal ``eos`` (UniMAE) it is last-token pooling with a tokenizer whose
+  post-processor appends EOS after truncation, so ``SentenceTransformer(dir).encode(texts)`` gives
+  unimae's ``eos`` embeddings; causal ``mean`` maps to mean pooling. An adapter whose
+  :class:`~unimae.embedding_spec.EmbeddingSpec` the format cannot express (bidirectional attention
+  of MNTP, GEM's summary tokens and mask, echo) is refused with a message instead of exported wrongly.
 """
 
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
+
+from unimae.adapter import ADAPTER_META, adapter_meta, embedding_spec, load_with_adapter
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.files import atomic_write_json
 
 FORMATS = ("hf", "sentence-transformers")
 
 
-def _model_card(model: str, adapter: str | None, fmt: str) -> str:
-    recipe = "base model, no adapter"
-    if adapter and (Path(adapter) / "unimae.json").is_file():
-        meta = json.loads((Path(adapter) / "unimae.json").read_text())
-        cfg = meta.get("training_config", {})
-        recipe = ", ".join(
-            f"{k}={cfg[k]}"
-            for k in (
-                "method",
-                "recipe",
-                "steps",
-                "batch_size",
-                "max_length",
-                "lr",
-                "alpha",
-                "p_mar",
-                "p_mrc",
-                "lora_r",
-                "lora_alpha",
-                "data",
-            )
-            if k in cfg
+_CARD_KEYS = ("method", "recipe", "steps", "batch_size", "max_length", "lr", "alpha", "p_mar", "p_mrc", "lora_r")
+_CARD_KEYS += ("lora_alpha", "data")
+
+
+def _usage(spec: EmbeddingSpec, fmt: str) -> str:
+    if spec.is_last_token:
+        return (
+            "last token. The tokenizer's EOS token is appended **after** truncation and the embedding is the "
+            "last-layer hidden state at that EOS (UniMAE's `h_eos`). In the sentence-transformers export the "
+            "tokenizer appends EOS itself; with plain transformers, append `tokenizer.eos_token_id` to the ids "
+            "yourself and read the hidden state at the last real token (mind left padding)."
         )
+    note = (
+        "" if fmt == "sentence-transformers" else " Plain transformers runs causal attention: apply the rule yourself."
+    )
+    return f"{spec.describe()} (unimae `EmbeddingSpec`, also in `unimae.json`).{note}"
+
+
+def _model_card(model: str, adapter: str | None, fmt: str, spec: EmbeddingSpec) -> str:
+    cfg = adapter_meta(adapter).get("training_config", {})
+    recipe = ", ".join(f"{k}={cfg[k]}" for k in _CARD_KEYS if k in cfg) or "base model, no adapter"
     return f"""---
 library_name: {"sentence-transformers" if fmt == "sentence-transformers" else "transformers"}
 tags: [unimae, sentence-embeddings, text-generation]
@@ -48,11 +53,7 @@ tags: [unimae, sentence-embeddings, text-generation]
 Exported by unimae from base model `{model}` and adapter `{adapter}` (LoRA merged, float32).
 One model, two jobs: it generates text as the base model does, and it embeds sentences.
 
-- **Pooling:** last token. The tokenizer's EOS token is appended **after** truncation and the
-  embedding is the last-layer hidden state at that EOS (UniMAE's `h_eos`).
-- **EOS handling:** in the sentence-transformers export the tokenizer appends EOS itself; with
-  plain transformers, append `tokenizer.eos_token_id` to the ids yourself and read the hidden
-  state at the last real token (mind left padding).
+- **Pooling:** {_usage(spec, fmt)}
 - **Similarity:** cosine.
 - **Training recipe:** {recipe}.
 """
@@ -62,13 +63,27 @@ def merged_model(model: str, adapter: str | None):
     """(float32 model with the adapter merged, tokenizer)."""
     import torch
 
-    from unimae.adapter import attach_adapter
-    from unimae.models import load_model
+    merged, tokenizer, _ = load_with_adapter(model, adapter, torch.float32, merge=True)
+    return merged, tokenizer
 
-    base, tokenizer, _ = load_model(model, dtype=torch.float32)
-    if adapter:
-        base = attach_adapter(base, adapter).merge_and_unload()
-    return base, tokenizer
+
+def save_merged(model: str, adapter: str | None, directory: str | Path) -> None:
+    """Write the float32 base with the adapter merged, and its tokenizer, as a Hugging Face folder."""
+    merged, tokenizer = merged_model(model, adapter)
+    merged.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def check_exportable(spec: EmbeddingSpec, fmt: str) -> None:
+    """ValueError if ``fmt`` cannot express how this adapter embeds."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    if fmt == "sentence-transformers" and not (spec.attention == "causal" and spec.pooling in ("eos", "mean")):
+        raise ValueError(
+            f"this adapter embeds with {spec.describe()}, which a sentence-transformers model cannot express "
+            "(it runs the model with causal attention and last-token or mean pooling); export --format hf and "
+            "embed with unimae instead"
+        )
 
 
 def append_eos_post_processor(tokenizer) -> None:
@@ -90,31 +105,35 @@ def append_eos_post_processor(tokenizer) -> None:
 
 
 def export(model: str, adapter: str | None, output: str | Path, fmt: str = "hf", max_length: int = 512) -> Path:
-    """Write the export to ``output``; return its path."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    """Write the export to ``output``; return its path. Refuses a spec ``fmt`` cannot express."""
+    spec = embedding_spec(adapter)
+    check_exportable(spec, fmt)
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --output directory")
-    merged, tokenizer = merged_model(model, adapter)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
-        merged.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        save_merged(model, adapter, out)
+        atomic_write_json(out / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
     else:
-        from sentence_transformers import SentenceTransformer, models
-
-        transformer_dir = out / "_transformer"
-        merged.save_pretrained(transformer_dir)
-        append_eos_post_processor(tokenizer)
-        tokenizer.padding_side = "right"
-        tokenizer.chat_template = None  # sentence-transformers >= 6 would wrap every text in it
-        tokenizer.save_pretrained(transformer_dir)
-        word = models.Transformer(str(transformer_dir), max_seq_length=max_length)
-        pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="lasttoken")
-        SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine").save(str(out))
-        import shutil
-
-        shutil.rmtree(transformer_dir)
-    (out / "README.md").write_text(_model_card(model, adapter, fmt))
+        _save_sentence_transformers(model, adapter, out, spec, max_length)
+    (out / "README.md").write_text(_model_card(model, adapter, fmt, spec))
     return out
+
+
+def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, max_length: int) -> None:
+    from sentence_transformers import SentenceTransformer, models
+
+    transformer_dir = out / "_transformer"
+    merged, tokenizer = merged_model(model, adapter)
+    merged.save_pretrained(transformer_dir)
+    if spec.pooling == "eos":
+        append_eos_post_processor(tokenizer)
+    tokenizer.padding_side = "right"
+    tokenizer.chat_template = None  # sentence-transformers >= 6 would wrap every text in it
+    tokenizer.save_pretrained(transformer_dir)
+    word = models.Transformer(str(transformer_dir), max_seq_length=max_length)
+    mode = "lasttoken" if spec.pooling == "eos" else "mean"
+    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode=mode)
+    SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine").save(str(out))
+    shutil.rmtree(transformer_dir)

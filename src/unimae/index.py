@@ -17,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.files import atomic_write, atomic_write_json, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +63,6 @@ class Hit:
     id: str
     text: str
     score: float
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    def write(tmp: Path):
-        tmp.write_text(text, encoding="utf-8")
-
-    _write_atomic(path, write)
 
 
 def passages_fingerprint(passages: list[tuple[str, str]]) -> str:
@@ -139,7 +128,8 @@ class VectorIndex:
         manifest = {
             "format": FORMAT_VERSION,
             **(source or {}),
-            "pooling": encoder.pooling,
+            "pooling": encoder.spec.pooling,
+            "embedding": encoder.spec.to_dict(),
             "max_length": encoder.max_length,
             "dim": encoder.embedding_dim,
             "count": len(passages),
@@ -150,7 +140,8 @@ class VectorIndex:
         manifest_path = directory / "manifest.json"
         if manifest_path.is_file() and not overwrite:
             old = json.loads(manifest_path.read_text())
-            same = ("format", "model", "adapter_revision", "pooling", "max_length", "passages")
+            old.setdefault("embedding", manifest["embedding"])  # written before the spec was recorded
+            same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "passages")
             changed = [k for k in same if old.get(k) != manifest.get(k)]
             if changed or old.get("config", {}).get("shard_size") != config.shard_size:
                 raise VectorIndexError(
@@ -160,8 +151,8 @@ class VectorIndex:
         elif overwrite:
             for stale in shards.glob("*.npy"):
                 stale.unlink()
-        _write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
-        _write_text(
+        atomic_write_json(manifest_path, manifest)
+        atomic_write_text(
             directory / "passages.jsonl",
             "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
         )
@@ -177,13 +168,13 @@ class VectorIndex:
                 with open(tmp, "wb") as handle:
                     np.save(handle, vectors.astype(np.float32))
 
-            _write_atomic(_shard_path(shards, start), write)
+            atomic_write(_shard_path(shards, start), write)
         vectors = np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
         index = _build_faiss(vectors, config)
         faiss = _faiss()
-        _write_atomic(directory / "index.faiss", lambda tmp: faiss.write_index(index, str(tmp)))
+        atomic_write(directory / "index.faiss", lambda tmp: faiss.write_index(index, str(tmp)))
         manifest["complete"] = True
-        _write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
+        atomic_write_json(manifest_path, manifest)
         return cls(directory, manifest, passages, index)
 
     @classmethod
@@ -224,6 +215,11 @@ class VectorIndex:
         if manifest.get("config", {}).get("kind") == "ivf":
             index.nprobe = manifest["config"].get("ivf_nprobe", 16)
         return cls(directory, manifest, passages, index)
+
+    @property
+    def spec(self) -> EmbeddingSpec:
+        """How the passages were embedded (indexes older than the spec recorded only their pooling)."""
+        return EmbeddingSpec.from_dict(self.manifest.get("embedding") or {"pooling": self.manifest.get("pooling")})
 
     def search(self, queries: np.ndarray, k: int = 4) -> list[list[Hit]]:
         """queries (Q, D) unit vectors -> the top-``k`` passages for each, best first."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unimae.batch import Batch
 from unimae.tokenization import pad_batch
 
 
@@ -49,27 +50,13 @@ def mrc_visibility(n_tokens: int, width: int, p_mrc: float, gen: torch.Generator
 
 
 @dataclass
-class UniMAEBatch:
-    """One micro-batch; all tensors right-padded to width T."""
-
-    input_ids: torch.Tensor  # (B, T) original tokens, EOS last
-    corrupted_ids: torch.Tensor  # (B, T) MAR-corrupted inputs
-    attention_mask: torch.Tensor  # (B, T) 1 = real token
-    mrc_visible: torch.Tensor  # (B, T, T + 1) bool key visibility for the tiny decoder
-
-    def to(self, device: torch.device | str) -> UniMAEBatch:
-        return UniMAEBatch(
-            *(t.to(device) for t in (self.input_ids, self.corrupted_ids, self.attention_mask, self.mrc_visible))
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-
-@dataclass
 class UniMAECollator:
-    """Build a UniMAEBatch from tokenized texts (lists of ids ending with EOS) and their indices."""
+    """Build a :class:`Batch` from tokenized texts (lists of ids ending with EOS) and their indices.
+
+    Keys, all right-padded to width T: ``input_ids`` (B, T) original tokens, EOS last; ``corrupted_ids``
+    (B, T) MAR inputs; ``attention_mask`` (B, T) 1 = real; ``mrc_visible`` (B, T, T + 1) bool key
+    visibility for the tiny decoder.
+    """
 
     pad_id: int
     mask_id: int
@@ -77,15 +64,22 @@ class UniMAECollator:
     p_mar: float
     p_mrc: float
     seed: int
+    p_mar_sampling: str = "fixed"  # "uniform": each row's rate ~ U(0, p_mar), so some rows stay nearly clean
 
-    def __call__(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> UniMAEBatch:
+    def __call__(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> Batch:
         width = max(len(s) for s in sequences)
         corrupted, visible = [], []
         for ids, index in zip(sequences, indices, strict=True):
             gen = example_generator(self.seed, index)
             has_bos = self.bos_id is not None and len(ids) > 1 and ids[0] == self.bos_id
-            corrupted.append(mar_corrupt(ids, self.p_mar, self.mask_id, has_bos, gen))
+            rate = self.p_mar * torch.rand(1, generator=gen).item() if self.p_mar_sampling == "uniform" else self.p_mar
+            corrupted.append(mar_corrupt(ids, rate, self.mask_id, has_bos, gen))
             visible.append(mrc_visibility(len(ids), width, self.p_mrc, gen))
         input_ids, attention_mask = pad_batch(sequences, self.pad_id, "right")
         corrupted_ids, _ = pad_batch(corrupted, self.pad_id, "right")
-        return UniMAEBatch(input_ids, corrupted_ids, attention_mask, torch.stack(visible))
+        return Batch(
+            input_ids=input_ids,
+            corrupted_ids=corrupted_ids,
+            attention_mask=attention_mask,
+            mrc_visible=torch.stack(visible),
+        )

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from unimae.files import atomic_write
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "unimae-cache.json"
@@ -77,12 +79,7 @@ def _assemble_once(target: Path, build: Callable[[Path], object]) -> Path:
     if target.exists() and done.exists() and done.read_text().strip() == str(target.stat().st_size):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + f".tmp{os.getpid()}")
-    try:
-        build(tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(target, build)
     done.write_text(str(target.stat().st_size))
     return target
 

@@ -16,9 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from unimae.adapter import adapter_revision
+from unimae.encoder import Encoder
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
-from unimae.index import Hit, VectorIndex
+from unimae.index import Hit, VectorIndex, VectorIndexError
 
 INSTRUCTION = (
     "Answer the question using only the passages above. Cite the passages you use by their id in "
@@ -78,10 +81,10 @@ class RAG:
     """Question answering over a :class:`VectorIndex` with one :class:`~unimae.encoder.Encoder`."""
 
     def __init__(self, encoder, index: VectorIndex, config: RAGConfig | None = None):
-        if encoder.pooling != index.manifest.get("pooling"):
+        if encoder.spec != index.spec:
             raise ValueError(
-                f"the index was built with {index.manifest.get('pooling')!r} pooling but the encoder uses "
-                f"{encoder.pooling!r}; load the encoder with the index's pooling"
+                f"the index was built with {index.spec.describe()} but the encoder embeds with "
+                f"{encoder.spec.describe()}; load the encoder with the index's model and adapter"
             )
         if encoder.embedding_dim != index.manifest["dim"]:
             raise ValueError(f"encoder dimension {encoder.embedding_dim} != index dimension {index.manifest['dim']}")
@@ -124,7 +127,7 @@ class RAG:
         params = params or GenerationParams(max_new_tokens=128)
         self.check_budget(query, params.max_new_tokens)
         reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
-        if self.encoder.attention == "causal" and self.encoder.pooling == "eos":
+        if self.encoder.spec.is_last_token:
             vector, query_ids, cache = self.encoder.encode_with_cache(query, normalize=True)  # (D,), ids, KV
         else:  # the embedding pass is not a causal prefix of the prompt: nothing to reuse
             vector, cache, reuse = self.encoder.encode([query], normalize=True)[0], None, False
@@ -164,3 +167,42 @@ class RAG:
             if isinstance(item, RAGAnswer):
                 return item
         raise RuntimeError("RAG ended without an answer")
+
+
+def load_index_and_encoder(
+    index_dir: str | Path,
+    model: str | None = None,
+    adapter: str | None = None,
+    precision: str = "auto",
+    merge: bool | None = None,
+) -> tuple[Encoder, VectorIndex]:
+    """Open the index in ``index_dir`` and the encoder that embeds queries the way its passages were embedded.
+
+    ``model`` and ``adapter`` default to the ones the index was built with (its manifest); an adapter whose
+    revision (content hash of its weights) is not the one recorded in the manifest is refused. The embedding
+    spec (attention, pooling and its options) and ``max_length`` always come from the index. ``merge=None``
+    merges the LoRA exactly when the index build did.
+    """
+    index = VectorIndex.load(index_dir)
+    manifest = index.manifest
+    adapter = adapter if adapter is not None else manifest.get("adapter")
+    if adapter is not None and not Path(adapter).is_dir():
+        raise VectorIndexError(f"adapter {adapter} does not exist; pass the adapter the index was built with")
+    built, given = manifest.get("adapter_revision", "base"), adapter_revision(adapter)
+    if given != built:
+        raise VectorIndexError(
+            f"the index in {index_dir} was built with adapter revision {built} but {adapter or 'no adapter'} is "
+            f"revision {given}; rebuild the index (unimae index --overwrite) or pass the adapter it was built with"
+        )
+    spec = index.spec
+    encoder = Encoder.from_pretrained(
+        model or manifest["model"],
+        adapter=adapter,
+        pooling=spec.pooling,
+        attention=spec.attention,
+        max_length=manifest["max_length"],
+        precision=precision,
+        merge=merge if merge is not None else manifest.get("merged"),
+        **spec.pooling_options,
+    )
+    return encoder, index

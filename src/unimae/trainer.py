@@ -26,14 +26,16 @@ from unimae.adapter import (
     INIT_ADAPTER,
     attach_adapter,
     base_fingerprint,
-    embedding_settings,
+    embedding_spec,
     quiet_peft,
     write_adapter_meta,
 )
 from unimae.attention import set_attention_dropout
 from unimae.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from unimae.config import TrainConfig
-from unimae.methods import Context, get_method, summary_tokens
+from unimae.export import save_merged
+from unimae.files import atomic_write_json, atomic_write_text
+from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.precision import autocast, resolve_precision, weight_dtype
 from unimae.runtime import tune_allocator
@@ -109,199 +111,248 @@ def _read_log(path: Path, upto_step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
 
 
-def train(config: TrainConfig, resume: bool = False) -> TrainResult:
-    """Run (or resume) training as configured; returns where the adapter was written."""
-    from accelerate import Accelerator
+_STEP_FIELDS = {"step", "grad_norm", "lr", "tokens", "seconds", "tokens_per_s", "elapsed"}  # the rest are losses
 
-    # Without a GPU, cpu=True lets accelerate see torchrun's WORLD_SIZE and use gloo (MULTI_CPU).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    tune_allocator()
-    world = accelerator.num_processes
-    accum = config.validate(world)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    out = Path(config.output_dir)
-    main = accelerator.is_main_process
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
 
-    state = load_latest_checkpoint(out) if resume else None
-    torch.manual_seed(config.seed)
-    method = get_method(config.method)
-    texts = method.load_data(config)
-    precision = resolve_precision(config.precision, accelerator.device)
+@dataclass
+class _Run:
+    """Everything ``train`` sets up once: the objective to optimize, its optimizer and the data."""
+
+    config: TrainConfig
+    accelerator: object
+    method: Method
+    objective: torch.nn.Module  # wrapped by accelerate (DDP/FSDP) for forward/backward
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    examples: list
+    order: DataOrder
+    precision: str
+    accum: int
+    fingerprint: str
+    tokenizer: object
+    meta: dict  # mask token, resolved model path, world size ... (run.json)
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+def _load_base(config: TrainConfig, precision: str):
+    """(frozen base model, tokenizer, path, fingerprint); a stage-1 ``init_adapter`` merged in fp32 first."""
     frozen_dtype = torch.float32 if config.full_params else weight_dtype(precision)
-    model, tokenizer, model_path = load_model(
-        config.model, dtype=torch.float32 if config.init_adapter else frozen_dtype
-    )
+    model, tokenizer, path = load_model(config.model, dtype=torch.float32 if config.init_adapter else frozen_dtype)
     fingerprint = base_fingerprint(model)
-    if config.init_adapter:  # stage 2 (e.g. SimCSE after UniMAE/MNTP): the first adapter merged into the base
+    if config.init_adapter:
         model = attach_adapter(model, config.init_adapter).merge_and_unload().to(frozen_dtype)
-    if state is not None and state["fingerprint"] != fingerprint:
+    return model, tokenizer, path, fingerprint
+
+
+def _restore(state: dict, out: Path, objective: torch.nn.Module, fingerprint: str) -> None:
+    """Check a checkpoint belongs to this base and configuration, then load its trainable weights."""
+    if state["fingerprint"] != fingerprint:
         raise ValueError(
             f"the checkpoint in {out} was trained on another base model ({state['model']}); "
             f"pass --model {state['model']} to resume it"
         )
+    missing = set(state["trainable"]) - set(objective.state_dict())
+    if missing:
+        raise ValueError(
+            f"checkpoint in {out} does not match this configuration (unknown weights such as "
+            f"{sorted(missing)[:3]}); resume with the run's own config.json"
+        )
+    objective.load_state_dict(state["trainable"], strict=False)
+
+
+def _setup(config: TrainConfig, state: dict | None) -> _Run:
+    """Load the model, build the method's objective and the optimizer, restore ``state`` if resuming."""
+    from accelerate import Accelerator
+    from transformers import get_constant_schedule
+
+    # Without a GPU, cpu=True lets accelerate see torchrun's WORLD_SIZE and use gloo (MULTI_CPU).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accum = config.validate(accelerator.num_processes)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    precision = resolve_precision(config.precision, accelerator.device)
+    model, tokenizer, model_path, fingerprint = _load_base(config, precision)
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
-    ctx = Context(
-        tokenizer,
-        mask_id,
-        summary_tokens(tokenizer, config.num_summary_tokens) if config.method == "gem" else [],
-        embedding_settings(config.init_adapter or None),
-    )
-    llm = _build_llm(config, model, method.lora_dropout(config))
-    if view_dropout := method.attention_dropout(config):  # else the model keeps its own config's rate
-        set_attention_dropout(llm, view_dropout)
+    method = get_method(config.method)(config, Context(tokenizer, mask_id, embedding_spec(config.init_adapter or None)))
+    examples = method.load_data()
+    llm = _build_llm(config, model, method.lora_dropout)
+    if method.attention_dropout:  # else the model keeps its own config's rate
+        set_attention_dropout(llm, method.attention_dropout)
     if config.gradient_checkpointing:
         llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         llm.enable_input_require_grads()
-    objective = method.objective(config, llm, ctx)
+    objective = method.build_objective(llm)
     objective.train()
     if state is not None:
-        missing = set(state["trainable"]) - set(objective.state_dict())
-        if missing:
-            raise ValueError(
-                f"checkpoint in {out} does not match this configuration (unknown weights such as "
-                f"{sorted(missing)[:3]}); resume with the run's own config.json"
-            )
-        objective.load_state_dict(state["trainable"], strict=False)
+        _restore(state, Path(config.output_dir), objective, fingerprint)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # constant (paper App. C)
+    scheduler = get_constant_schedule(optimizer)  # paper App. C: constant learning rate
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-    wrapped, optimizer = accelerator.prepare(objective, optimizer)
-
-    start = state["step"] if state is not None else 0
-    if state is not None:
         saved = state["rng"]  # one entry per process of the run that wrote it
         set_rng_state(saved[min(accelerator.process_index, len(saved) - 1)])
-    extra = {
+    wrapped, optimizer = accelerator.prepare(objective, optimizer)
+    meta = {
         "mask_token": mask_token,
         "mask_token_id": mask_id,
         "resolved_model_path": str(model_path),
-        "world_size": world,
+        "world_size": accelerator.num_processes,
         "grad_accum_steps": accum,
         "resolved_precision": precision,
     }
-    if main:
-        config.save(out / "config.json")
-        (out / "run.json").write_text(json.dumps(extra, indent=2) + "\n")
-    log_path = out / "log.jsonl"
-    kept_log = _read_log(log_path, start) if main else []
-    if main:
-        log_path.write_text("".join(line + "\n" for line in kept_log))
+    order = DataOrder(len(examples), config.seed)
+    return _Run(
+        config,
+        accelerator,
+        method,
+        wrapped,
+        params,
+        optimizer,
+        scheduler,
+        examples,
+        order,
+        precision,
+        accum,
+        fingerprint,
+        tokenizer,
+        meta,
+    )
 
-    order = DataOrder(len(texts), config.seed)
-    collate = method.collator(config, ctx)
+
+def _train_step(run: _Run, step: int) -> dict:
+    """One optimizer step (micro-batches + accumulation) -> its log record (losses averaged over processes)."""
+    config, acc = run.config, run.accelerator
+    world = acc.num_processes
     shard = config.batch_size // world
+    tic = time.perf_counter()
+    first = step * config.batch_size + acc.process_index * shard
+    examples = list(range(first, first + shard))  # global example indices of this process
+    totals: dict[str, float] = {}
+    tokens = 0
+    acc.unwrap_model(run.objective).set_step(step)
+    for micro in range(run.accum):
+        chosen = examples[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
+        batch = run.method.collate([run.examples[run.order.text_index(i)] for i in chosen], chosen).to(acc.device)
+        tokens += batch.num_tokens
+        sync = contextlib.nullcontext() if micro == run.accum - 1 else acc.no_sync(run.objective)
+        with sync:
+            with autocast(run.precision, acc.device):
+                losses = run.objective(batch)
+            acc.backward(losses["loss"] / run.accum)
+        for key, value in losses.items():
+            totals[key] = totals.get(key, 0.0) + value.item() / run.accum
+    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+    grad_norm = float(acc.clip_grad_norm_(run.params, max_norm))
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    keys = sorted(totals)
+    stats = torch.tensor([totals[k] for k in keys] + [tokens], dtype=torch.float64, device=acc.device)
+    stats = acc.reduce(stats, reduction="sum") if world > 1 else stats
+    seconds = time.perf_counter() - tic
+    record = {"step": step + 1, **{k: stats[i].item() / world for i, k in enumerate(keys)}}
+    record.update(
+        grad_norm=grad_norm,
+        lr=run.scheduler.get_last_lr()[0],
+        tokens=int(stats[-1].item()),
+        seconds=round(seconds, 4),
+        tokens_per_s=round(stats[-1].item() / seconds, 1),
+    )
+    return record
+
+
+def _save_checkpoint(run: _Run, step: int) -> None:
+    """Gather every process's RNG state; the main process writes the checkpoint."""
+    acc = run.accelerator
+    rngs = acc.gather_for_metrics([rng_state()], use_gather_object=True) if acc.num_processes > 1 else [rng_state()]
+    if run.main:
+        state = {
+            "trainable": _trainable_state(acc.unwrap_model(run.objective)),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "rng": rngs,
+            "fingerprint": run.fingerprint,
+            "model": run.config.model,
+            "config": run.config.to_dict(),
+        }
+        save_checkpoint(run.config.output_dir, step, state)
+
+
+def _save_adapter(run: _Run, step: int) -> Path:
+    """Write the adapter (or full model), its unimae.json and, with ``--merge``, a merged HF folder."""
+    config, out = run.config, Path(run.config.output_dir)
+    adapter_dir = out / ("model" if config.full_params else "adapter")
+    if not run.main:
+        return adapter_dir
+    run.accelerator.unwrap_model(run.objective).llm.save_pretrained(adapter_dir)
+    run.tokenizer.save_pretrained(adapter_dir)
+    if config.init_adapter and not config.full_params:
+        shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)
+    write_adapter_meta(
+        adapter_dir,
+        run.fingerprint,
+        config.model,
+        run.method.embedding_spec(),
+        trained_steps=step,
+        mask_token=run.meta["mask_token"],
+        method=config.method,
+        init_adapter=INIT_ADAPTER if config.init_adapter else None,
+        training_config=config.to_dict(),
+    )
+    if config.merge and not config.full_params:
+        save_merged(config.model, adapter_dir, out / "merged")
+    return adapter_dir
+
+
+def _start_log(run: _Run, start: int) -> Path:
+    """Write config.json and run.json; keep the log lines up to ``start`` (a resumed run rewrites the rest)."""
+    out = Path(run.config.output_dir)
+    log_path = out / "log.jsonl"
+    if run.main:
+        run.config.save(out / "config.json")
+        atomic_write_json(out / "run.json", run.meta)
+        atomic_write_text(log_path, "".join(line + "\n" for line in _read_log(log_path, start)))
+    return log_path
+
+
+def train(config: TrainConfig, resume: bool = False) -> TrainResult:
+    """Run (or resume) training as configured; returns where the adapter was written."""
+    tune_allocator()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_latest_checkpoint(out) if resume else None
+    run = _setup(config, state)
+    step = start = state["step"] if state is not None else 0
+    log_path = _start_log(run, start)
     stop = _StopFlag()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    bar = tqdm(total=config.steps, initial=start, desc="unimae train", disable=not main, unit="step")
+    bar = tqdm(total=config.steps, initial=start, desc="unimae train", disable=not run.main, unit="step")
     t0 = time.perf_counter()
-    step = start
-
-    def checkpoint(step_done: int) -> None:
-        rngs = accelerator.gather_for_metrics([rng_state()], use_gather_object=True) if world > 1 else [rng_state()]
-        if main:
-            trainable = _trainable_state(accelerator.unwrap_model(wrapped))
-            save_checkpoint(
-                out,
-                step_done,
-                {
-                    "trainable": trainable,
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rngs,
-                    "fingerprint": fingerprint,
-                    "model": config.model,
-                    "config": config.to_dict(),
-                },
-            )
-
     try:
         while step < config.steps and not stop.requested:
-            tic = time.perf_counter()
-            first = step * config.batch_size + accelerator.process_index * shard
-            examples = list(range(first, first + shard))  # global example indices of this process
-            totals: dict[str, float] = {}
-            tokens = 0
-            if hasattr(objective, "step"):
-                objective.step = step  # for schedules over steps (GEM's 0 -> 1 switch)
-            for micro in range(accum):
-                chosen = examples[micro * config.micro_batch_size : (micro + 1) * config.micro_batch_size]
-                batch = collate([texts[order.text_index(i)] for i in chosen], chosen).to(accelerator.device)
-                tokens += batch.num_tokens
-                sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(wrapped)
-                with sync:
-                    with autocast(precision, accelerator.device):
-                        losses = wrapped(batch)
-                    accelerator.backward(losses["loss"] / accum)
-                for key, value in losses.items():
-                    totals[key] = totals.get(key, 0.0) + value.item() / accum
-            max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-            grad_norm = float(accelerator.clip_grad_norm_(params, max_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            record = _train_step(run, step)
             step += 1
-            keys = sorted(totals)
-            stats = torch.tensor([totals[k] for k in keys] + [tokens], dtype=torch.float64, device=accelerator.device)
-            stats = accelerator.reduce(stats, reduction="sum") if world > 1 else stats
-            seconds = time.perf_counter() - tic
-            record = {"step": step, **{k: stats[i].item() / world for i, k in enumerate(keys)}}
-            record.update(
-                grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0],
-                tokens=int(stats[-1].item()),
-                seconds=round(seconds, 4),
-                tokens_per_s=round(stats[-1].item() / seconds, 1),
-                elapsed=round(time.perf_counter() - t0, 2),
-            )
-            if main:
+            record["elapsed"] = round(time.perf_counter() - t0, 2)
+            if run.main:
                 with open(log_path, "a") as log:
                     log.write(json.dumps(record) + "\n")
-                bar.set_postfix({**{k: f"{record[k]:.3f}" for k in keys}, "tok_s": f"{record['tokens_per_s']:.0f}"})
+                losses = {k: f"{v:.3f}" for k, v in record.items() if k not in _STEP_FIELDS}
+                bar.set_postfix({**losses, "tok_s": f"{record['tokens_per_s']:.0f}"})
                 bar.update(1)
             if config.save_every and step % config.save_every == 0 and step < config.steps:
-                checkpoint(step)
+                _save_checkpoint(run, step)
     finally:
         bar.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    checkpoint(step)
-    interrupted = step < config.steps
-    adapter_dir = out / ("model" if config.full_params else "adapter")
-    if main:
-        unwrapped = accelerator.unwrap_model(wrapped)
-        unwrapped.llm.save_pretrained(adapter_dir)
-        tokenizer.save_pretrained(adapter_dir)
-        if config.init_adapter and not config.full_params:
-            shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)
-        write_adapter_meta(
-            adapter_dir,
-            fingerprint,
-            config.model,
-            trained_steps=step,
-            mask_token=mask_token,
-            method=config.method,
-            embedding=method.embedding(config, ctx),
-            init_adapter=INIT_ADAPTER if config.init_adapter else None,
-            training_config=config.to_dict(),
-        )
-        if config.merge and not config.full_params:
-            export_merged(config.model, adapter_dir, out / "merged")
-    accelerator.wait_for_everyone()
-    return TrainResult(out, adapter_dir, step, interrupted, time.perf_counter() - t0)
-
-
-def export_merged(model: str, adapter_dir: str | Path, directory: str | Path) -> Path:
-    """Write a plain Hugging Face model directory: the float32 base with the LoRA weights merged in."""
-    from unimae.adapter import attach_adapter
-
-    base, tokenizer, _ = load_model(model, dtype=torch.float32)
-    merged = attach_adapter(base, adapter_dir).merge_and_unload()
-    merged.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return Path(directory)
+    _save_checkpoint(run, step)
+    adapter_dir = _save_adapter(run, step)
+    run.accelerator.wait_for_everyone()
+    return TrainResult(out, adapter_dir, step, step < config.steps, time.perf_counter() - t0)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from unimae.adapter import adapter_revision
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
+from unimae.files import atomic_write, atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +130,6 @@ class EmbeddingRun:
     cache_misses: int = 0
 
 
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def evaluate_model_on_tasks(
     model,
     tasks: list[str],
@@ -182,9 +176,7 @@ def evaluate_model_on_tasks(
                 show_progress_bar=False,
             )
             task_result = result.task_results[0]
-            tmp = out / f".{name}.json.tmp"
-            task_result.to_disk(tmp)
-            os.replace(tmp, out / f"{name}.json")
+            atomic_write(out / f"{name}.json", task_result.to_disk)
             run.scores[name] = float(task_result.get_score())
         except (KeyError, ValueError, LocalDataError, FileNotFoundError, OSError, ConnectionError) as err:
             message = str(err) if isinstance(err, LocalDataError) else f"{name}: {type(err).__name__}: {err}"
@@ -192,13 +184,13 @@ def evaluate_model_on_tasks(
                 message += " (offline? pass --data-dir with the task's files)"
             logger.error("task failed: %s", message)
             run.errors[name] = message
-            _write_json_atomic(out / f"{name}.error.json", {"task": name, "error": message})
+            atomic_write_json(out / f"{name}.error.json", {"task": name, "error": message})
             (out / f"{name}.json").unlink(missing_ok=True)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
     # Runs of the same label on other tasks add to its record; a task run again replaces its entry.
     runtimes = {**previous.get("tasks", {}), **run.runtimes}
     errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
-    _write_json_atomic(
+    atomic_write_json(
         out / "run.json",
         {
             **meta,

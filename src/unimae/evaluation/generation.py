@@ -10,9 +10,10 @@ The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter m
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+
+from unimae.files import atomic_write_json
 
 LM_TASKS_DIR = Path(__file__).parent / "lm_tasks"
 GENERATION_TASKS = ["arc_easy", "piqa", "hellaswag", "winogrande", "lambada_openai", "wiki_heldout"]
@@ -70,9 +71,8 @@ def evaluate_generation(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from unimae.adapter import attach_adapter
+    from unimae.adapter import load_with_adapter
     from unimae.evaluation.embeddings import versions
-    from unimae.models import load_model
     from unimae.precision import default_device, resolve_precision, weight_dtype
 
     tasks = tasks or GENERATION_TASKS
@@ -81,9 +81,8 @@ def evaluate_generation(
         raise ValueError(f"unknown generation task(s) {unknown}; choose from {GENERATION_TASKS}")
     output_dir = Path(output_dir)
     resolved = resolve_precision(precision, default_device())
-    model, tokenizer, _ = load_model(model_spec, dtype=weight_dtype(resolved))
-    if adapter:
-        model = attach_adapter(model, adapter)  # peft casts inputs to the fp32 LoRA weights itself
+    # unmerged: peft casts inputs to the fp32 LoRA weights itself
+    model, tokenizer, _ = load_with_adapter(model_spec, adapter or None, weight_dtype(resolved))
     model.to(default_device()).eval()
     include = write_task_configs(output_dir / "lm_tasks", data_dir, tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
@@ -110,7 +109,5 @@ def evaluate_generation(
         "n_samples": {t: results.get("n-samples", {}).get(f"unimae_{t}") for t in tasks},
     }
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir / "generation.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(tmp, output_dir / "generation.json")
+    atomic_write_json(output_dir / "generation.json", summary)
     return summary

@@ -17,18 +17,22 @@ from torch import nn
 from unimae.attention import model_attention_mask
 from unimae.losses.contrastive import info_nce
 from unimae.losses.mar import MARLoss
+from unimae.losses.objective import Objective
 from unimae.pooling import pooled_forward
 from unimae.tokenization import position_ids_from_mask
 
 
-class GEMObjective(nn.Module):
-    """forward(batch) -> {"loss", and "ntp" or "contrastive"}; ``step`` is set by the trainer."""
+class GEMObjective(Objective):
+    """forward(batch) -> {"loss", and "ntp" or "contrastive"}; the trainer sets the step (``set_step``)."""
 
     def __init__(self, llm: nn.Module, switch_step: int = 100, temperature: float = 0.05, chunk_size: int = 1024):
-        super().__init__()
-        self.llm, self.switch_step, self.temperature = llm, switch_step, temperature
+        super().__init__(llm)
+        self.switch_step, self.temperature = switch_step, temperature
         self.ntp = MARLoss(chunk_size, getattr(llm.config, "final_logit_softcapping", None))
         self.step = 0
+
+    def set_step(self, step: int) -> None:
+        self.step = step
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         if self.step < self.switch_step:  # a = 0: generation keeps training, summary tokens learn to carry the prefix

@@ -12,14 +12,14 @@ from torch import nn
 
 from unimae.attention import model_attention_mask
 from unimae.losses.mar import MARLoss
+from unimae.losses.objective import Objective
 
 
-class MNTPObjective(nn.Module):
+class MNTPObjective(Objective):
     """forward(batch) -> {"loss", "mntp"}; batch: input_ids, corrupted_ids, attention_mask, targets (B, T)."""
 
     def __init__(self, llm: nn.Module, chunk_size: int = 1024):
-        super().__init__()
-        self.llm = llm
+        super().__init__(llm)
         self.ntp = MARLoss(chunk_size, getattr(llm.config, "final_logit_softcapping", None))
 
     def forward(self, batch) -> dict[str, torch.Tensor]:

@@ -7,6 +7,15 @@ The tiny decoder rebuilds the ORIGINAL tokens from ``h_eos``:
 - logits through the LLM's output head; ``L_MRC = sum_i CE(x_i | ...)``     (Eq. 5)
 Token embeddings and the output head are detached, so L_MRC reaches the LLM only through
 ``h_eos``. The decoder is thrown away after training (kept beside the adapter only to resume).
+
+Positions (``positions="scaled"``, the default): Eq. 3 adds a trainable ``p_i`` to ``h_eos`` so that query
+i asks for token i. On SmolLM2-135M ``h_eos`` has an RMS of about 2 per dimension (Gemma-3-270M about 3.3,
+with outliers near 30) while the old ``p_i`` started at N(0, 0.02): ``h_eos + p_i`` was the same vector for
+every query (decoder outputs at different positions had cosine 0.9997), and MRC degenerated into
+predicting the text's bag of words from ``h_eos``. So ``h_eos`` and the token embeddings are RMS-normalised
+(no weights) before the positions are added, and ``p_i`` starts at N(0, 1): each part of ``h_eos + p_i`` has
+unit RMS, and queries at different positions differ from the first step. ``positions="legacy"`` keeps the
+old behaviour, to reproduce earlier numbers.
 """
 
 from __future__ import annotations
@@ -17,19 +26,32 @@ from torch import nn
 
 from unimae.losses.cross_entropy import chunked_cross_entropy, per_example_mean
 
+POSITION_MODES = ("scaled", "legacy")
+
 
 class TinyDecoder(nn.Module):
     """One pre-norm transformer layer (attention + SwiGLU MLP) with learned positions.
 
     h_eos: (B, D); token_embeds: (B, T, D) embeddings of the original tokens;
     visible: (B, T, T + 1) bool key visibility (True = attend) -> (B, T, D).
+    ``positions``: "scaled" (inputs RMS-normalised, p_i ~ N(0, 1)) or "legacy" (raw inputs, p_i ~ N(0, 0.02)).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, max_positions: int, eps: float = 1e-6):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        intermediate_size: int,
+        max_positions: int,
+        eps: float = 1e-6,
+        positions: str = "scaled",
+    ):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+        self.num_heads, self.scaled, self.eps = num_heads, positions == "scaled", eps
         self.positions = nn.Embedding(max_positions, hidden_size)
         self.query_norm = nn.RMSNorm(hidden_size, eps=eps)
         self.key_norm = nn.RMSNorm(hidden_size, eps=eps)
@@ -45,6 +67,12 @@ class TinyDecoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+        if self.scaled:
+            nn.init.normal_(self.positions.weight, std=1.0)
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        """Unit RMS per vector (no weights) in "scaled" mode; unchanged in "legacy"."""
+        return F.rms_norm(x, (x.shape[-1],), eps=self.eps) if self.scaled else x
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -55,8 +83,9 @@ class TinyDecoder(nn.Module):
         if t > self.positions.num_embeddings:
             raise ValueError(f"{t} tokens exceed the tiny decoder's {self.positions.num_embeddings} positions")
         pos = self.positions.weight[:t]  # (T, D)
-        queries = h_eos[:, None, :] + pos  # (B, T, D) H1
-        keys = torch.cat([h_eos[:, None, :], token_embeds + pos], dim=1)  # (B, T + 1, D) H2
+        h = self._scale(h_eos)[:, None, :]  # (B, 1, D)
+        queries = h + pos  # (B, T, D) H1
+        keys = torch.cat([h, self._scale(token_embeds) + pos], dim=1)  # (B, T + 1, D) H2
         q = self._heads(self.q_proj(self.query_norm(queries)))  # (B, H, T, d/H)
         kv_in = self.key_norm(keys)
         k = self._heads(self.k_proj(kv_in))  # (B, H, T + 1, d/H)

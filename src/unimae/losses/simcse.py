@@ -13,15 +13,16 @@ import torch
 from torch import nn
 
 from unimae.losses.contrastive import info_nce
+from unimae.losses.objective import Objective
 from unimae.pooling import pooled_forward
 
 
-class SimCSEObjective(nn.Module):
+class SimCSEObjective(Objective):
     """forward(batch) -> {"loss", "simcse"}; batch: input_ids, attention_mask, pool_mask (B, T)."""
 
     def __init__(self, llm: nn.Module, temperature: float = 0.05, attention: str = "causal"):
-        super().__init__()
-        self.llm, self.temperature, self.attention = llm, temperature, attention
+        super().__init__(llm)
+        self.temperature, self.attention = temperature, attention
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         ids, mask, pool_mask = (torch.cat([batch[k], batch[k]]) for k in ("input_ids", "attention_mask", "pool_mask"))
@@ -31,12 +32,12 @@ class SimCSEObjective(nn.Module):
         return {"loss": loss, "simcse": loss.detach()}
 
 
-class ContrastiveObjective(nn.Module):
+class ContrastiveObjective(Objective):
     """forward(batch) -> {"loss", "contrastive"}; batch rows: B queries, B positives, then hard negatives."""
 
     def __init__(self, llm: nn.Module, temperature: float = 0.05, attention: str = "causal"):
-        super().__init__()
-        self.llm, self.temperature, self.attention = llm, temperature, attention
+        super().__init__(llm)
+        self.temperature, self.attention = temperature, attention
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         z = pooled_forward(self.llm, batch["input_ids"], batch["attention_mask"], batch["pool_mask"], self.attention)

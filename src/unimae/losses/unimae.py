@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unimae.batch import Batch
 from unimae.losses.mar import MARLoss
 from unimae.losses.mrc import MRCLoss, TinyDecoder
-from unimae.masking import UniMAEBatch
+from unimae.losses.objective import Objective
 from unimae.tokenization import last_token_index
 
 
@@ -21,10 +22,11 @@ def decoder_heads(config) -> int:
     return heads if config.hidden_size % heads == 0 else 1
 
 
-class UniMAEObjective(nn.Module):
+class UniMAEObjective(Objective):
     """Holds the (LoRA-wrapped) LLM and the MRC loss, so DDP/FSDP wrap one module.
 
-    forward(batch) -> {"loss", "mar", "mrc"} scalars.
+    forward(batch) -> {"loss", "mar", "mrc"} scalars; batch: input_ids, corrupted_ids, attention_mask
+    (B, T) and mrc_visible (B, T, T + 1) from :class:`~unimae.masking.UniMAECollator`.
     """
 
     def __init__(
@@ -35,9 +37,9 @@ class UniMAEObjective(nn.Module):
         chunk_size: int = 1024,
         mrc_heads: int = 0,
         mrc_intermediate_size: int = 0,
+        mrc_positions: str = "scaled",
     ):
-        super().__init__()
-        self.llm = llm
+        super().__init__(llm)
         config = llm.config
         self.alpha = alpha
         softcap = getattr(config, "final_logit_softcapping", None)
@@ -48,22 +50,28 @@ class UniMAEObjective(nn.Module):
             intermediate_size=mrc_intermediate_size or getattr(config, "intermediate_size", 4 * config.hidden_size),
             max_positions=max_positions,
             eps=getattr(config, "rms_norm_eps", 1e-6),
+            positions=mrc_positions,
         )
         self.mrc = MRCLoss(decoder, chunk_size, softcap)
 
-    def forward(self, batch: UniMAEBatch) -> dict[str, torch.Tensor]:
-        position_ids = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        position_ids = torch.arange(batch["input_ids"].shape[1], device=batch["input_ids"].device)[None]
         hidden = self.llm.get_decoder()(
-            input_ids=batch.corrupted_ids,
-            attention_mask=batch.attention_mask,
+            input_ids=batch["corrupted_ids"],
+            attention_mask=batch["attention_mask"],
             position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state  # (B, T, D) one pass: MAR logits and h_eos
         head = self.llm.get_output_embeddings()
-        mar = self.mar(hidden, batch.input_ids, batch.attention_mask, head)
+        mar = self.mar(hidden, batch["input_ids"], batch["attention_mask"], head)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        h_eos = hidden[rows, last_token_index(batch.attention_mask)]  # (B, D) Eq. 2
+        h_eos = hidden[rows, last_token_index(batch["attention_mask"])]  # (B, D) Eq. 2
         mrc = self.mrc(
-            h_eos, batch.input_ids, batch.attention_mask, batch.mrc_visible, self.llm.get_input_embeddings(), head
+            h_eos,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["mrc_visible"],
+            self.llm.get_input_embeddings(),
+            head,
         )
         return {"loss": self.alpha * mar + mrc, "mar": mar.detach(), "mrc": mrc.detach()}

@@ -1,0 +1,54 @@
+"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, models.
+
+One module per group of subcommands; each adds its parsers (``add_*_parser(sub)``) and handlers that
+only turn arguments into one library call and print the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from unimae.cli.embed import add_embed_parser, add_generate_parser
+from unimae.cli.evaluate import add_check_parser, add_compare_parser, add_evaluate_parser
+from unimae.cli.export import add_export_parser
+from unimae.cli.index import add_ask_parser, add_index_parser
+from unimae.cli.models import add_models_parser
+from unimae.cli.serve import add_serve_parser
+from unimae.cli.train import add_train_parser
+
+SUBCOMMANDS = (
+    add_train_parser,
+    add_embed_parser,
+    add_generate_parser,
+    add_check_parser,
+    add_evaluate_parser,
+    add_compare_parser,
+    add_export_parser,
+    add_index_parser,
+    add_ask_parser,
+    add_serve_parser,
+    add_models_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unimae", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError, OSError) as err:
+        print(f"unimae {args.command}: error: {err}", file=sys.stderr)
+        return 2

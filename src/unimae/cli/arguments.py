@@ -1,0 +1,63 @@
+"""Options shared by several subcommands. Choice lists come from the registries, never spelled out here."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from unimae.pooling import POOLINGS
+from unimae.precision import PRECISIONS
+
+DEFAULT_MODEL = "smollm2-135m"
+Handler = Callable[[argparse.Namespace], int]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default once: not where the help already states it (the dataclass flags of
+    :func:`unimae.config.add_dataclass_arguments` do), nor for an unset (None) or off (False) default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, help: str, handler: Handler | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand parser that runs ``handler(args)``."""
+    parser = sub.add_parser(name, help=help, formatter_class=HelpFormatter)
+    if handler is not None:
+        parser.set_defaults(func=handler)
+    return parser
+
+
+def pooling_choices() -> list[str]:
+    return ["auto", *POOLINGS]
+
+
+def add_pooling_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pooling",
+        default="auto",
+        choices=pooling_choices(),
+        help="auto = what the adapter was trained for (eos for UniMAE, mean for MNTP, summary for GEM; else eos).",
+    )
+
+
+def add_precision_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision", default="auto", choices=PRECISIONS, help="auto = bf16 where the CPU/GPU runs it natively."
+    )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = False) -> None:
+    """``--model``, ``--adapter``, ``--precision``; ``from_index``: model and adapter default to the index's."""
+    if from_index:
+        parser.add_argument("--model", help="Default: the model the index was built with.")
+        parser.add_argument("--adapter", help="Default: the adapter the index was built with.")
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
+        parser.add_argument("--adapter", help="Adapter directory written by `unimae train`.")
+    add_precision_argument(parser)

@@ -1,0 +1,78 @@
+"""``unimae embed`` and ``unimae generate``: the two jobs of one model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from unimae.cli.arguments import add_command, add_model_arguments, add_pooling_argument
+
+
+def add_embed_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "embed", "Embed texts (arguments, a file, or stdin; one per line).", _embed)
+    add_model_arguments(parser)
+    parser.add_argument("texts", nargs="*", help="Texts to embed; if none, read --input or stdin.")
+    parser.add_argument(
+        "--input",
+        help="A .txt (one text per line), .jsonl (--field of each line) or .parquet file, or '-' for stdin "
+        "(one text per line). Empty texts in a file are skipped.",
+    )
+    parser.add_argument("--field", default="text", help="Text field of a .jsonl / .parquet --input.")
+    parser.add_argument("--output", help="Write a .npy array instead of printing JSON lines.")
+    add_pooling_argument(parser)
+    parser.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass.")
+    parser.add_argument("--max-length", type=int, default=512, help="Tokens per text, EOS included.")
+    parser.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings.")
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(sub, "generate", "Generate text with the same model (and adapter).", _generate)
+    add_model_arguments(parser)
+    parser.add_argument("prompt", help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate at most.")
+    parser.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
+    parser.add_argument("--no-adapter", action="store_true", help="Generate with the adapter disabled.")
+
+
+def read_texts(texts: list[str], source: str | None, field: str = "text") -> list[str]:
+    """The texts to embed: ``texts`` if any, else the file ``source`` (read by the corpus readers, whose
+    errors name the file and line), else standard input, one text per line."""
+    if texts:
+        return texts
+    if source and source != "-":
+        from unimae.corpus import load_texts
+
+        if not Path(source).is_file():
+            raise FileNotFoundError(f"input file {source} does not exist")
+        return load_texts(source, field)
+    return [line.rstrip("\n") for line in sys.stdin]
+
+
+def _embed(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from unimae.encoder import Encoder
+
+    texts = read_texts(args.texts, args.input, args.field)
+    encoder = Encoder.from_pretrained(
+        args.model, adapter=args.adapter, pooling=args.pooling, max_length=args.max_length, precision=args.precision
+    )
+    vectors = encoder.encode(texts, batch_size=args.batch_size, normalize=args.normalize)
+    if args.output:
+        np.save(args.output, vectors)
+        print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} float32 embeddings to {args.output}")
+    else:
+        for row in vectors:
+            print(json.dumps([round(float(x), 6) for x in row]))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from unimae.encoder import Encoder
+
+    adapter = None if args.no_adapter else args.adapter
+    encoder = Encoder.from_pretrained(args.model, adapter=adapter, precision=args.precision)
+    print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+    return 0

@@ -1,0 +1,29 @@
+"""``unimae export``: merged weights as a Hugging Face or sentence-transformers model."""
+
+from __future__ import annotations
+
+import argparse
+
+from unimae.cli.arguments import DEFAULT_MODEL, add_command
+from unimae.export import FORMATS
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub, "export", "Export merged weights as a Hugging Face or sentence-transformers model.", _export
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
+    parser.add_argument("--adapter", help="Adapter directory written by `unimae train`.")
+    parser.add_argument("--format", default="hf", choices=FORMATS, help="What to write (see unimae.export).")
+    parser.add_argument("--output", required=True, help="A new (or empty) directory.")
+    parser.add_argument(
+        "--max-length", type=int, default=512, help="max_seq_length of the sentence-transformers export."
+    )
+
+
+def _export(args: argparse.Namespace) -> int:
+    from unimae.export import export
+
+    out = export(args.model, args.adapter, args.output, fmt=args.format, max_length=args.max_length)
+    print(f"wrote {args.format} export to {out}")
+    return 0

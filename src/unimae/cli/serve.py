@@ -1,0 +1,110 @@
+"""``unimae serve``: the OpenAI-compatible server (embeddings, completions, chat; RAG with --index)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
+from unimae.config import add_dataclass_arguments
+from unimae.serving.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub, "serve", "OpenAI-compatible server: embeddings, completions, chat (+ RAG with --index).", _serve
+    )
+    add_model_arguments(parser, from_index=True)
+    parser.add_argument("--index", help="Also serve POST /v1/rag over this index (its model and adapter).")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    parser.add_argument("--max-length", type=int, default=512, help="Tokens per embedding input (with EOS).")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="Merge the LoRA into bf16 weights: faster (esp. generation), embeddings slightly less faithful.",
+    )
+    add_dataclass_arguments(parser, ServerConfig)
+    parser.add_argument(
+        "--api-key-file",
+        help="Read the API key from this file (stripped): unlike --api-key, it is not visible in `ps`. "
+        "Without either, $UNIMAE_API_KEY is used.",
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from unimae.serving.app import create_app
+
+    encoder, index, model = _load_encoder(args)
+    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    values["api_key"] = resolve_api_key(args.api_key, args.api_key_file)
+    if values["model_name"] == ServerConfig.model_name:  # not given: name it after the model
+        values["model_name"] = Path(model).name if Path(model).exists() else model
+    config = ServerConfig(**values)
+    _warn_if_exposed(args.host, config.api_key is not None)
+    app = create_app(encoder, config, index)
+    print(
+        f"unimae serving {config.model_name} on http://{args.host}:{args.port} (Ctrl-C stops after in-flight requests)"
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    return 0
+
+
+def _load_encoder(args: argparse.Namespace) -> tuple:
+    """(encoder, index or None, model name): the index's model and adapter with --index, else --model."""
+    merge = True if args.merge else None
+    if args.index:
+        from unimae.rag import load_index_and_encoder
+
+        encoder, index = load_index_and_encoder(args.index, args.model, args.adapter, args.precision, merge)
+        return encoder, index, args.model or index.manifest["model"]
+    from unimae.encoder import Encoder
+
+    model = args.model or DEFAULT_MODEL
+    encoder = Encoder.from_pretrained(
+        model, adapter=args.adapter, max_length=args.max_length, precision=args.precision, merge=merge
+    )
+    return encoder, None, model
+
+
+def resolve_api_key(from_argv: str | None, key_file: str | None) -> str | None:
+    """The server's API key: from ``key_file``, else the command line (warned: other users see it in
+    ``ps``), else ``$UNIMAE_API_KEY``; None when none is set."""
+    if from_argv and key_file:
+        raise ValueError("pass --api-key or --api-key-file, not both")
+    if key_file:
+        if not Path(key_file).is_file():
+            raise FileNotFoundError(f"API key file {key_file} does not exist")
+        key = Path(key_file).read_text(encoding="utf-8").strip()
+        if not key:
+            raise ValueError(f"API key file {key_file} is empty")
+        return key
+    if from_argv:
+        logger.warning(
+            "--api-key on the command line is visible to other users (ps, shell history); "
+            "use --api-key-file or $UNIMAE_API_KEY"
+        )
+        return from_argv
+    return os.environ.get("UNIMAE_API_KEY") or None
+
+
+def _warn_if_exposed(host: str, has_key: bool) -> None:
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        logger.warning(
+            "binding %s exposes the server beyond this machine%s",
+            host,
+            "" if has_key else " WITHOUT an API key (pass --api-key-file or set $UNIMAE_API_KEY)",
+        )

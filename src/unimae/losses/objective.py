@@ -1,0 +1,29 @@
+"""The contract of a training objective: an nn.Module from a :class:`~unimae.batch.Batch` to named losses.
+
+``forward(batch)`` returns a dict of scalars: ``"loss"`` (what is back-propagated, a mean over the
+micro-batch's examples so accumulation and processes do not change the update) plus detached parts for
+the log (``"mar"``, ``"mrc"``, ...). The trainer calls ``set_step(step)`` before every optimizer step;
+objectives with a schedule over steps (GEM's NTP -> contrastive switch) override it. An objective owns
+its auxiliary heads (the MRC tiny decoder): saving the LLM never writes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unimae.batch import Batch
+
+
+class Objective(nn.Module):
+    """Base class: holds the (LoRA-wrapped) LLM as ``self.llm`` so DDP/FSDP wrap one module."""
+
+    def __init__(self, llm: nn.Module):
+        super().__init__()
+        self.llm = llm
+
+    def set_step(self, step: int) -> None:
+        """Called with the 0-based optimizer step before it runs; no-op unless the objective has a schedule."""
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        raise NotImplementedError

@@ -1,0 +1,102 @@
+"""The contract of a training method: what it trains on, how it batches, what it optimizes, how it embeds.
+
+A :class:`Method` is built once per run from the resolved config and a :class:`Context`; the trainer asks it,
+in this order: ``load_data()`` (the examples), ``lora_dropout`` / ``attention_dropout`` (while building the
+LoRA model), ``build_objective(llm)`` (the :class:`~unimae.losses.objective.Objective` nn.Module to
+optimize), ``collate(examples, indices)`` per micro-batch (a :class:`~unimae.batch.Batch`; randomness must
+come from ``(seed, example index)`` so resume and any process split reproduce it), and at the end
+``embedding_spec()`` (written into the adapter's ``unimae.json``). Add a method by subclassing and
+decorating it with :func:`unimae.methods.register_method`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from unimae.batch import Batch
+from unimae.corpus import load_texts
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.tokenization import pad_batch
+
+if TYPE_CHECKING:
+    from unimae.config import TrainConfig
+    from unimae.losses.objective import Objective
+
+
+@dataclass
+class Context:
+    """What the trainer resolved for a run: the tokenizer, the mask token and the init adapter's spec."""
+
+    tokenizer: object
+    mask_id: int
+    init_spec: EmbeddingSpec
+
+
+class Method:
+    """Base class; subclasses set ``name`` and implement ``build_objective``, ``collate``, ``embedding_spec``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: TrainConfig, ctx: Context):
+        self.config, self.ctx = config, ctx
+
+    def load_data(self) -> list:
+        """The training examples (texts by default; ``collate`` receives a slice of them)."""
+        return load_texts(self.config.data)
+
+    @property
+    def lora_dropout(self) -> float:
+        return self.config.lora_dropout
+
+    @property
+    def attention_dropout(self) -> float:
+        """Attention-probability dropout while training (0: leave the model's own rate)."""
+        return 0.0
+
+    def build_objective(self, llm: torch.nn.Module) -> Objective:
+        raise NotImplementedError
+
+    def collate(self, examples: Sequence, indices: Sequence[int]) -> Batch:
+        raise NotImplementedError
+
+    def embedding_spec(self) -> EmbeddingSpec:
+        raise NotImplementedError
+
+
+class ViewDropoutMixin:
+    """simcse and gem: two views of a text differ by dropout, acting where ``--dropout-on`` says.
+
+    Attention dropout by default (as LLM2Vec): a fresh LoRA has B = 0, so LoRA dropout alone leaves the
+    two views identical until the first update.
+    """
+
+    config: TrainConfig
+
+    @property
+    def lora_dropout(self) -> float:
+        return self.config.dropout if self.config.dropout_on == "lora" else self.config.lora_dropout
+
+    @property
+    def attention_dropout(self) -> float:
+        return self.config.dropout if self.config.dropout_on == "attention" else 0.0
+
+
+def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids -> (B, T) ids and (B, T) 0/1 mask, right-padded."""
+    return pad_batch(rows, pad_id, "right")
+
+
+def pooled_batch(tokenizer, texts: Sequence[str], max_length: int, spec: EmbeddingSpec, **extra) -> Batch:
+    """Texts tokenized for ``spec``'s pooling -> Batch(input_ids, attention_mask, pool_mask (B, T), **extra)."""
+    inputs = spec.build_inputs(tokenizer, texts, max_length)
+    ids, mask = pad_right([i.ids for i in inputs], tokenizer.pad_token_id)
+    pool_mask, _ = pad_right([i.pool for i in inputs], 0)
+    return Batch(input_ids=ids, attention_mask=mask, pool_mask=pool_mask, **extra)
+
+
+def has_bos(tokenizer, ids: Sequence[int]) -> bool:
+    return tokenizer.bos_token_id is not None and len(ids) > 0 and ids[0] == tokenizer.bos_token_id

@@ -1,0 +1,39 @@
+"""``--method mntp`` (LLM2Vec step 1): masked next-token prediction under bidirectional attention.
+
+Embeds with bidirectional attention and ``mean`` pooling.
+"""
+
+from __future__ import annotations
+
+from unimae.batch import Batch
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.masking import example_generator, mar_corrupt
+from unimae.methods.base import Method, has_bos, pad_right
+from unimae.methods.registry import register_method
+from unimae.tokenization import encode_with_eos
+
+
+@register_method
+class MNTP(Method):
+    """Batches: input_ids, corrupted_ids, attention_mask, targets (B, T) (targets = masked real tokens)."""
+
+    name = "mntp"
+
+    def build_objective(self, llm):
+        from unimae.losses.mntp import MNTPObjective
+
+        return MNTPObjective(llm, self.config.ce_chunk_size)
+
+    def collate(self, texts, indices) -> Batch:
+        tok, c = self.ctx.tokenizer, self.config
+        rows = encode_with_eos(tok, texts, c.max_length, warn=False)
+        corrupted = [
+            mar_corrupt(ids, c.mntp_p_mask, self.ctx.mask_id, has_bos(tok, ids), example_generator(c.seed, index))
+            for ids, index in zip(rows, indices, strict=True)
+        ]
+        ids, mask = pad_right(rows, tok.pad_token_id)
+        noisy, _ = pad_right(corrupted, tok.pad_token_id)
+        return Batch(input_ids=ids, corrupted_ids=noisy, attention_mask=mask, targets=(noisy != ids) & mask.bool())
+
+    def embedding_spec(self) -> EmbeddingSpec:
+        return EmbeddingSpec(attention="bidirectional", pooling="mean")

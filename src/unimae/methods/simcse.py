@@ -1,0 +1,34 @@
+"""``--method simcse``: InfoNCE between two dropout views of each text, in-batch negatives (Gao et al. 2021).
+
+Trains (and embeds with) the ``--init-adapter``'s spec, e.g. causal ``eos`` after UniMAE or bidirectional
+``mean`` after MNTP; ``--pooling`` overrides the pooling.
+"""
+
+from __future__ import annotations
+
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.methods.base import Method, ViewDropoutMixin, pooled_batch
+from unimae.methods.registry import register_method
+
+
+def init_spec_with_pooling(config, ctx) -> EmbeddingSpec:
+    """The init adapter's spec (causal eos without one), with ``--pooling`` unless it is 'auto'."""
+    return ctx.init_spec if config.pooling == "auto" else ctx.init_spec.with_pooling(config.pooling)
+
+
+@register_method
+class SimCSE(ViewDropoutMixin, Method):
+    """Batches: input_ids, attention_mask, pool_mask (B, T); the objective runs each row twice."""
+
+    name = "simcse"
+
+    def build_objective(self, llm):
+        from unimae.losses.simcse import SimCSEObjective
+
+        return SimCSEObjective(llm, self.config.temperature, self.embedding_spec().attention)
+
+    def collate(self, texts, indices):
+        return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, self.embedding_spec())
+
+    def embedding_spec(self) -> EmbeddingSpec:
+        return init_spec_with_pooling(self.config, self.ctx)

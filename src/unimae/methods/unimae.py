@@ -1,0 +1,43 @@
+"""``--method unimae`` (default): ``L = alpha * L_MAR + L_MRC`` (UniMAE Eq. 6); embeds with causal ``eos``."""
+
+from __future__ import annotations
+
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.masking import UniMAECollator
+from unimae.methods.base import Method
+from unimae.methods.registry import register_method
+from unimae.tokenization import encode_with_eos
+
+
+@register_method
+class UniMAE(Method):
+    """Batches: :class:`~unimae.masking.UniMAECollator` (MAR-corrupted ids and the MRC key mask)."""
+
+    name = "unimae"
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        tok = ctx.tokenizer
+        self._collate = UniMAECollator(
+            tok.pad_token_id,
+            ctx.mask_id,
+            tok.bos_token_id,
+            config.p_mar,
+            config.p_mrc,
+            config.seed,
+            config.p_mar_sampling,
+        )
+
+    def build_objective(self, llm):
+        from unimae.losses import UniMAEObjective
+
+        c = self.config
+        return UniMAEObjective(
+            llm, c.alpha, c.max_length, c.ce_chunk_size, c.mrc_heads, c.mrc_intermediate_size, c.mrc_positions
+        )
+
+    def collate(self, texts, indices):
+        return self._collate(encode_with_eos(self.ctx.tokenizer, texts, self.config.max_length, warn=False), indices)
+
+    def embedding_spec(self) -> EmbeddingSpec:
+        return EmbeddingSpec(attention="causal", pooling="eos")

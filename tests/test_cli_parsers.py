@@ -1,0 +1,204 @@
+"""The command line's parsers (help pages, choices from the registries), input and API-key handling, and
+``unimae.rag.load_index_and_encoder`` (the library side of ``ask`` / ``serve --index``)."""
+
+import argparse
+import logging
+import re
+
+import pytest
+from conftest import SENTENCES
+
+from unimae.attention import ATTENTION_RULES
+from unimae.cli import build_parser, main
+from unimae.config import method_names
+from unimae.export import FORMATS
+from unimae.index import INDEX_KINDS, VectorIndexError
+from unimae.pooling import POOLINGS
+from unimae.precision import PRECISIONS
+
+PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def _pages() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every (sub)command's parser by its argv, e.g. ("evaluate", "embeddings")."""
+    pages = {}
+    for name, parser in _subparsers(build_parser()).items():
+        pages[(name,)] = parser
+        pages.update({(name, kind): sub for kind, sub in _subparsers(parser).items()})
+    return pages
+
+
+def _choices(argv: tuple[str, ...], option: str) -> list:
+    return list(_pages()[argv]._option_string_actions[option].choices)
+
+
+def test_every_subcommand_is_listed():
+    names = {argv[0] for argv in _pages()}
+    expected = {"train", "embed", "generate", "check", "evaluate", "compare", "export", "index", "ask", "serve"}
+    assert names == expected | {"models"}
+    assert {argv[1] for argv in _pages() if len(argv) == 2} == {"embeddings", "summary", "figures", "generation"}
+
+
+@pytest.mark.parametrize("argv", sorted(_pages()), ids="-".join)
+def test_help_renders_and_shows_each_default_once(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: unimae " + " ".join(argv))
+    options = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[-1])  # one block per option
+    twice = [block.split()[0] for block in options if block.count("(default:") > 1]
+    assert not twice, f"defaults shown twice for {twice}"
+
+
+def test_serve_help_states_server_defaults_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("(default: 4194304)") == 1 and text.count("(default: unimae)") == 1
+    assert "--api-key-file" in text and "(default: 8000)" in text
+
+
+def test_pooling_attention_precision_kind_format_and_method_choices_come_from_the_registries():
+    pooling = ["auto", *POOLINGS]
+    assert _choices(("embed",), "--pooling") == pooling
+    assert _choices(("evaluate", "embeddings"), "--pooling") == pooling
+    assert _choices(("evaluate", "embeddings"), "--attention") == list(ATTENTION_RULES)
+    assert _choices(("index",), "--kind") == list(INDEX_KINDS)
+    assert _choices(("export",), "--format") == list(FORMATS)
+    assert _choices(("train",), "--method") == method_names()
+    with_precision = [argv for argv, parser in _pages().items() if "--precision" in parser._option_string_actions]
+    assert {argv[-1] for argv in with_precision} >= {"train", "embed", "generate", "index", "ask", "serve"}
+    assert all(_choices(argv, "--precision") == list(PRECISIONS) for argv in with_precision)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("in.txt", b"fine\n\xff\xfe broken\n", "invalid UTF-8"),
+        ("in.jsonl", b'{"text": "fine"}\n{"text": oops}\n', "not valid JSON"),
+        ("in.jsonl", b'{"text": "fine"}\n{"body": "no text field"}\n', "'text' field"),
+    ],
+    ids=["txt-utf8", "jsonl-json", "jsonl-field"],
+)
+def test_embed_input_errors_name_the_file_and_line(tmp_path, capsys, name, content, problem):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert main(["embed", "--input", str(path)]) == 2  # fails before any model is loaded
+    err = capsys.readouterr().err
+    assert err.startswith("unimae embed: error:") and f"{path}, line 2" in err and problem in err
+
+
+def test_embed_missing_input_file_is_a_clear_error(tmp_path, capsys):
+    assert main(["embed", "--input", str(tmp_path / "nope.txt")]) == 2
+    assert f"input file {tmp_path / 'nope.txt'} does not exist" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    """Serve without loading a model or binding a port; returns the ServerConfigs create_app received."""
+    configs = []
+    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
+    monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: configs.append(config))
+    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
+    return configs
+
+
+def _key_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "--api-key" in r.getMessage()]
+
+
+def test_api_key_file_is_read_and_stripped_without_a_warning(fake_server, tmp_path, caplog):
+    key_file = tmp_path / "key"
+    key_file.write_text("  s3cret\n")
+    assert main(["serve", "--model", "m", "--api-key-file", str(key_file)]) == 0
+    assert fake_server[0].api_key == "s3cret" and fake_server[0].model_name == "m"
+    assert not _key_warnings(caplog)
+
+
+def test_api_key_on_the_command_line_warns(fake_server, caplog):
+    assert main(["serve", "--model", "m", "--api-key", "visible"]) == 0
+    assert fake_server[0].api_key == "visible"
+    assert any("visible to other users" in message for message in _key_warnings(caplog))
+
+
+def test_api_key_from_the_environment_and_bad_key_files(fake_server, monkeypatch, tmp_path, capsys, caplog):
+    monkeypatch.setenv("UNIMAE_API_KEY", "from-env")
+    assert main(["serve", "--model", "m"]) == 0
+    assert fake_server[0].api_key == "from-env" and not _key_warnings(caplog)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert main(["serve", "--api-key-file", str(empty)]) == 2
+    assert f"API key file {empty} is empty" in capsys.readouterr().err
+    assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["serve", "--api-key", "k", "--api-key-file", str(empty)]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def _adapter(tiny_dir, directory, spec, seed: int) -> str:
+    """A fresh random LoRA adapter of ``tiny_dir`` whose unimae.json records ``spec``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from unimae.adapter import base_fingerprint, quiet_peft, write_adapter_meta
+    from unimae.models import load_model
+
+    model, _, _ = load_model(str(tiny_dir))
+    fingerprint = base_fingerprint(model)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    with quiet_peft():
+        lora = get_peft_model(model, config)
+    lora.save_pretrained(directory)
+    write_adapter_meta(directory, fingerprint, str(tiny_dir), spec)
+    return str(directory)
+
+
+@pytest.fixture
+def mean_index(tiny_model_dirs, tmp_path):
+    """(index dir, its adapter, another adapter): an index built with a bidirectional-mean adapter."""
+    from unimae.adapter import adapter_revision
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.encoder import Encoder
+    from unimae.index import VectorIndex
+
+    tiny = tiny_model_dirs["llama"]
+    spec = EmbeddingSpec(attention="bidirectional", pooling="mean")
+    adapter = _adapter(tiny, tmp_path / "adapter", spec, seed=1)
+    other = _adapter(tiny, tmp_path / "other", spec, seed=2)
+    encoder = Encoder.from_pretrained(str(tiny), adapter=adapter, precision="fp32", max_length=32)
+    source = {"model": str(tiny), "adapter": adapter, "adapter_revision": adapter_revision(adapter)}
+    source["merged"] = encoder.adapter_merged
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", source=source)
+    return tmp_path / "idx", adapter, other
+
+
+def test_load_index_and_encoder_embeds_queries_as_the_index_was_built(mean_index):
+    from unimae.rag import RAG, load_index_and_encoder
+
+    index_dir, _, _ = mean_index
+    encoder, index = load_index_and_encoder(index_dir, precision="fp32")
+    assert encoder.spec == index.spec and (encoder.attention, encoder.pooling) == ("bidirectional", "mean")
+    assert encoder.max_length == 32 and encoder.adapter_merged == index.manifest["merged"]
+    hits = index.search(encoder.encode([SENTENCES[4]], normalize=True), k=1)[0]
+    assert hits[0].id == "p4" and abs(hits[0].score - 1) < 1e-4
+    assert RAG(encoder, index).retrieve(SENTENCES[4], k=1)[0].id == "p4"
+
+
+def test_load_index_and_encoder_refuses_another_adapter_revision(mean_index, tmp_path, capsys):
+    from unimae.rag import load_index_and_encoder
+
+    index_dir, _, other = mean_index
+    with pytest.raises(VectorIndexError, match="adapter revision"):
+        load_index_and_encoder(index_dir, adapter=other)
+    with pytest.raises(VectorIndexError, match="does not exist"):
+        load_index_and_encoder(index_dir, adapter=str(tmp_path / "gone"))
+    assert main(["ask", "q", "--index", str(index_dir), "--adapter", other]) == 2
+    assert "rebuild the index" in capsys.readouterr().err
