@@ -82,7 +82,8 @@ class _StopFlag:
         logger.warning("stop requested: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
 
 
-def _build_llm(config: TrainConfig, model, lora_dropout: float):
+def _build_llm(config: TrainConfig, model, method: Method):
+    """The model to train: all weights (``--full-params``) or LoRA (plus what the method adds to it)."""
     if config.full_params:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -92,9 +93,10 @@ def _build_llm(config: TrainConfig, model, lora_dropout: float):
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
-        lora_dropout=lora_dropout,
+        lora_dropout=method.lora_dropout,
         target_modules=config.lora_target_modules,
         task_type="CAUSAL_LM",
+        **method.lora_extra(),
     )
     with quiet_peft():
         return get_peft_model(model, lora)
@@ -180,7 +182,8 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
     method = get_method(config.method)(config, Context(tokenizer, mask_id, embedding_spec(config.init_adapter or None)))
     examples = method.load_data()
-    llm = _build_llm(config, model, method.lora_dropout)
+    model = method.prepare_model(model)
+    llm = _build_llm(config, model, method)
     if method.attention_dropout:  # else the model keeps its own config's rate
         set_attention_dropout(llm, method.attention_dropout)
     if config.gradient_checkpointing:
@@ -226,6 +229,19 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     )
 
 
+def _forward_backward(run: _Run, batch) -> dict:
+    """Loss and gradients of one micro-batch: forward through the (DDP-)wrapped objective, then backward;
+    an objective that runs its own backward passes (``runs_own_backward``, e.g. a gradient cache) is
+    handed the backward function instead."""
+    acc = run.accelerator
+    inner = acc.unwrap_model(run.objective)
+    if inner.runs_own_backward:
+        return inner.forward_backward(batch, lambda loss: acc.backward(loss / run.accum))
+    losses = run.objective(batch)
+    acc.backward(losses["loss"] / run.accum)
+    return losses
+
+
 def _train_step(run: _Run, step: int) -> dict:
     """One optimizer step (micro-batches + accumulation) -> its log record (losses averaged over processes)."""
     config, acc = run.config, run.accelerator
@@ -244,8 +260,7 @@ def _train_step(run: _Run, step: int) -> dict:
         sync = contextlib.nullcontext() if micro == run.accum - 1 else acc.no_sync(run.objective)
         with sync:
             with autocast(run.precision, acc.device):
-                losses = run.objective(batch)
-            acc.backward(losses["loss"] / run.accum)
+                losses = _forward_backward(run, batch)
         for key, value in losses.items():
             totals[key] = totals.get(key, 0.0) + value.item() / run.accum
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf

@@ -2,7 +2,8 @@
 
 A :class:`Method` is built once per run from the resolved config and a :class:`Context`; the trainer asks it,
 in this order: ``load_data()`` (the examples), ``lora_dropout`` / ``attention_dropout`` (while building the
-LoRA model), ``build_objective(llm)`` (the :class:`~unimae.losses.objective.Objective` nn.Module to
+LoRA model), ``prepare_model(model)`` and ``lora_extra()`` (the base model before LoRA, extra LoRA
+fields), ``build_objective(llm)`` (the :class:`~unimae.losses.objective.Objective` nn.Module to
 optimize), ``collate(examples, indices)`` per micro-batch (a :class:`~unimae.batch.Batch`; randomness must
 come from ``(seed, example index)`` so resume and any process split reproduce it), and at the end
 ``embedding_spec()`` (written into the adapter's ``unimae.json``). Add a method by subclassing and
@@ -56,6 +57,14 @@ class Method:
     def attention_dropout(self) -> float:
         """Attention-probability dropout while training (0: leave the model's own rate)."""
         return 0.0
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The base model before LoRA is added (e.g. new token rows); unchanged by default."""
+        return model
+
+    def lora_extra(self) -> dict:
+        """Extra ``peft.LoraConfig`` fields (e.g. ``trainable_token_indices``); none by default."""
+        return {}
 
     def build_objective(self, llm: torch.nn.Module) -> Objective:
         raise NotImplementedError
