@@ -87,7 +87,11 @@ def _add_generation_parser(kinds: argparse._SubParsersAction) -> None:
         kinds, "generation", "lm-eval: arc_easy piqa hellaswag winogrande lambada_openai wiki_heldout.", _generation
     )
     add_model_arguments(parser)
-    parser.add_argument("--tasks", nargs="+", help="Subset of the generation tasks (default: all).")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        help="Local tasks (default: all six) and/or any lm-eval registry task, e.g. mmlu sciq (those need the Hub).",
+    )
     parser.add_argument("--data-dir", help="Folder with generation/<task>/*.jsonl (the shared/data layout).")
     parser.add_argument("--output-dir", default="results/generation", help="Where generation.json is written.")
     parser.add_argument("--limit", type=int, help="Score only the first N items of each task.")

@@ -80,15 +80,41 @@ def english_task(name: str):
 
 
 def inject_local_data(task, data_dir: Path) -> None:
-    """Load the task's files from ``data_dir`` into the shapes mteb's evaluator reads."""
+    """Load the task's files from ``data_dir`` into the shapes mteb's evaluator reads.
+
+    A multilingual task (e.g. MTOPIntentClassification, restricted to its English subsets by
+    :func:`english_task`) reads each subset from ``<folder>/<subset>/`` when that folder exists, else
+    from ``<folder>`` itself (one flat set of files).
+    """
+    task_type = task.metadata.type
+    folder = task_folder(data_dir, task.metadata.name, task_type)
+    if task.metadata.is_multilingual:
+        task.dataset = {subset: _local_split_data(task, subset_folder(folder, subset)) for subset in task.hf_subsets}
+    elif task_type == "Retrieval":  # mteb reads retrieval data per subset ('default') even for one language
+        task.dataset = {subset: _local_split_data(task, folder) for subset in task.hf_subsets}
+    else:
+        task.dataset = _local_split_data(task, folder)
+    task.data_loaded = True
+
+
+def subset_folder(folder: Path, subset: str) -> Path:
+    """``folder/subset`` if the data ships per subset, else ``folder`` (a flat layout)."""
+    if (folder / subset).is_dir():
+        return folder / subset
+    subfolders = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name != "qrels")
+    if subfolders:
+        raise LocalDataError(f"{folder} has subset folders {subfolders} but not {subset!r}; add {folder / subset}")
+    return folder
+
+
+def _local_split_data(task, folder: Path):
+    """One subset's data: {split: {corpus, queries, relevant_docs}} for retrieval, else a DatasetDict."""
     from datasets import Dataset, DatasetDict
 
     task_type = task.metadata.type
-    folder = task_folder(data_dir, task.metadata.name, task_type)
-    splits = list(task.eval_splits)
-    columns = LOADERS[task_type](folder, task.metadata.name, splits)
+    columns = LOADERS[task_type](folder, task.metadata.name, list(task.eval_splits))
     if task_type == "Retrieval":
-        split_data = {
+        return {
             split: {
                 "corpus": Dataset.from_dict(d["corpus"]),
                 "queries": Dataset.from_dict(d["queries"]),
@@ -97,11 +123,7 @@ def inject_local_data(task, data_dir: Path) -> None:
             }
             for split, d in columns.items()
         }
-        task.dataset = {subset: split_data for subset in task.hf_subsets}
-    else:
-        data = DatasetDict({split: Dataset.from_dict(cols) for split, cols in columns.items()})
-        task.dataset = {subset: data for subset in task.hf_subsets} if task.metadata.is_multilingual else data
-    task.data_loaded = True
+    return DatasetDict({split: Dataset.from_dict(cols) for split, cols in columns.items()})
 
 
 def versions() -> dict[str, str]:

@@ -4,7 +4,9 @@ The YAMLs in ``lm_tasks/`` mirror lm-eval's built-in arc_easy, piqa, hellaswag, 
 lambada_openai (zero-shot, the same prompts, choices and acc/acc_norm), pointed at local files
 in the ``generation/<task>/`` layout of ``--data-dir``. ``unimae_wiki_heldout`` is the perplexity
 of held-out Wikipedia paragraphs: every 10th article of the default corpus, never trained on.
-The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter merged in memory.
+Any other name is looked up in lm-eval's own task registry (e.g. the paper's mmlu, sciq, arc_challenge,
+logiqa, nq_open), which downloads its data from the Hugging Face Hub: for online users.
+The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter applied unmerged.
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) ->
     return target
 
 
+def lm_eval_name(task: str) -> str:
+    """Our local tasks are registered as ``unimae_<name>``; any other name is lm-eval's own."""
+    return f"unimae_{task}" if task in GENERATION_TASKS else task
+
+
+def check_registry_tasks(names: list[str], manager) -> None:
+    """ValueError naming the tasks that are neither local nor in lm-eval's registry."""
+    unknown = sorted(set(names) - set(manager.all_tasks))
+    if unknown:
+        raise ValueError(
+            f"unknown generation task(s) {unknown}: not one of the local tasks {GENERATION_TASKS} and not in "
+            "lm-eval's registry (`lm_eval --tasks list` lists it)"
+        )
+
+
 def evaluate_generation(
     model_spec: str,
     adapter: str | None,
@@ -76,22 +93,22 @@ def evaluate_generation(
     from unimae.precision import default_device, resolve_precision, weight_dtype
 
     tasks = tasks or GENERATION_TASKS
-    unknown = sorted(set(tasks) - set(GENERATION_TASKS))
-    if unknown:
-        raise ValueError(f"unknown generation task(s) {unknown}; choose from {GENERATION_TASKS}")
+    local = [t for t in tasks if t in GENERATION_TASKS]
+    include = write_task_configs(Path(output_dir) / "lm_tasks", data_dir, local)
+    manager = TaskManager(include_path=str(include))
+    check_registry_tasks([t for t in tasks if t not in GENERATION_TASKS], manager)
     output_dir = Path(output_dir)
     resolved = resolve_precision(precision, default_device())
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(model_spec, adapter or None, weight_dtype(resolved))
     model.to(default_device()).eval()
-    include = write_task_configs(output_dir / "lm_tasks", data_dir, tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
     start = time.perf_counter()
     with torch.inference_mode():
         results = lm_eval.simple_evaluate(
             model=lm,
-            tasks=[f"unimae_{t}" for t in tasks],
-            task_manager=TaskManager(include_path=str(include)),
+            tasks=[lm_eval_name(t) for t in tasks],
+            task_manager=manager,
             num_fewshot=0,
             limit=limit,
             log_samples=False,
@@ -105,8 +122,8 @@ def evaluate_generation(
         "precision": resolved,
         "seconds": round(time.perf_counter() - start, 1),
         "versions": {**versions(), "lm_eval": lm_eval.__version__},
-        "results": {t: results["results"][f"unimae_{t}"] for t in tasks},
-        "n_samples": {t: results.get("n-samples", {}).get(f"unimae_{t}") for t in tasks},
+        "results": {t: {**results.get("groups", {}), **results["results"]}.get(lm_eval_name(t)) for t in tasks},
+        "n_samples": {t: results.get("n-samples", {}).get(lm_eval_name(t)) for t in tasks},
     }
     output_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(output_dir / "generation.json", summary)
