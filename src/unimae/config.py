@@ -27,6 +27,11 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+def choice_field(default: str, choices, help_text: str):
+    """A dataclass field with one of ``choices`` (a tuple, or a callable returning the list) and help."""
+    return field(default=default, metadata={"help": help_text, "choices": choices})
+
+
 @dataclass
 class MNTPOptions:
     """``--method mntp`` (LLM2Vec step 1): bidirectional attention, masked next-token prediction."""
@@ -118,13 +123,11 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
     alpha: float = field(default=0.1, metadata={"help": "Weight of L_MAR in L = alpha*L_MAR + L_MRC (Eq. 6)."})
     p_mar: float = field(default=0.5, metadata={"help": "Share of input tokens replaced by the mask token (Eq. 1)."})
-    p_mar_sampling: str = field(
-        default="fixed",
-        metadata={
-            "help": "MAR rate per text: 'fixed' (p_mar for every text, Eq. 1) or 'uniform' (each text's rate drawn "
-            "from U(0, p_mar), so training also sees nearly clean text, as at inference).",
-            "choices": ("fixed", "uniform"),
-        },
+    p_mar_sampling: str = choice_field(
+        "fixed",
+        ("fixed", "uniform"),
+        "MAR rate per text: 'fixed' (p_mar for every text, Eq. 1) or 'uniform' (each text's rate drawn "
+        "from U(0, p_mar), so training also sees nearly clean text, as at inference).",
     )
     p_mrc: float = field(default=0.5, metadata={"help": "Share of token keys hidden from the tiny decoder (Eq. 4)."})
     mask_token: str = field(
@@ -147,13 +150,11 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
     mrc_heads: int = field(default=0, metadata={"help": "Tiny decoder attention heads (0: the LLM's)."})
     mrc_intermediate_size: int = field(default=0, metadata={"help": "Tiny decoder MLP width (0: the LLM's)."})
-    mrc_positions: str = field(
-        default="scaled",
-        metadata={
-            "help": "Tiny decoder positions (Eq. 3): 'scaled' (h_eos and token embeddings RMS-normalised, p_i ~ "
-            "N(0, 1), so queries differ by position) or 'legacy' (raw h_eos + p_i ~ N(0, 0.02), earlier results).",
-            "choices": ("scaled", "legacy"),
-        },
+    mrc_positions: str = choice_field(
+        "scaled",
+        ("scaled", "legacy"),
+        "Tiny decoder positions (Eq. 3): 'scaled' (h_eos and token embeddings RMS-normalised, p_i ~ N(0, 1), "
+        "so queries differ by position) or 'legacy' (raw h_eos + p_i ~ N(0, 0.02), earlier results).",
     )
 
     precision: str = field(
