@@ -54,3 +54,27 @@ def test_loss_decreases_when_overfitting(tiny_dir):
         opt.step()
     assert out["loss"].item() < 0.9 * first["loss"]
     assert out["mar"].item() < first["mar"] and out["mrc"].item() < first["mrc"]
+
+
+def test_train_mask_token_trains_only_that_embedding_row(tiny_model_dirs, tmp_path):
+    from unimae.adapter import load_with_adapter
+    from unimae.config import TrainConfig
+    from unimae.models import load_model
+    from unimae.tokenization import choose_mask_token
+    from unimae.trainer import train
+
+    tiny = str(tiny_model_dirs["llama"])
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(SENTENCES[:4]) + "\n")
+    config = TrainConfig(
+        model=tiny, data=str(corpus), output_dir=str(tmp_path / "run"), steps=3, batch_size=4, micro_batch_size=4,
+        max_length=24, save_every=0, precision="fp32", lora_r=4, lora_alpha=8, lr=1e-2, train_mask_token=True,
+    )  # fmt: skip
+    result = train(config)
+    base, tokenizer, _ = load_model(tiny, dtype=torch.float32)
+    before = base.get_input_embeddings().weight.detach().clone()
+    _, mask_id = choose_mask_token(tokenizer, "auto")
+    trained, _, _ = load_with_adapter(tiny, result.adapter_dir, torch.float32, merge=True)
+    after = trained.get_input_embeddings().weight.detach()
+    changed = (after != before).any(1).nonzero().flatten().tolist()
+    assert changed == [mask_id]

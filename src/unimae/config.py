@@ -62,16 +62,124 @@ class ContrastiveOptions:
             "choices": lambda: ["auto", *POOLINGS],
         },
     )
+    data_weights: str = field(
+        default="",
+        metadata={
+            "help": "contrastive: --data may list several JSONL files (comma-separated) or be a .yaml/.json "
+            "mixture file ([{path, weight}, ...]); every batch is drawn from one of them with these sampling "
+            "weights: one number per file (comma-separated), 'size' (proportional to its pairs), 'sqrt', or "
+            "empty (the mixture file's weights, else 'size')."
+        },
+    )
+    symmetric_loss: bool = field(
+        default=False,
+        metadata={"help": "contrastive: symmetric InfoNCE, the mean of query -> positives and positive -> queries."},
+    )
+    mask_false_negatives: bool = field(
+        default=True,
+        metadata={
+            "help": "contrastive: leave a batch's known false negatives out of the softmax (rows sharing a query "
+            "or a positive, reversed paraphrase pairs)."
+        },
+    )
+    grad_cache_chunk: int = field(
+        default=0,
+        metadata={
+            "help": "contrastive: gradient cache, embedding the batch in chunks of N texts (0: off), so a large "
+            "batch needs one chunk's memory; needs --micro-batch-size equal to --batch-size (in-batch negatives "
+            "span the whole batch) and one process."
+        },
+    )
 
 
 @dataclass
 class GEMOptions:
-    """``--method gem``: summary tokens + attention-mask rule, (1 - a) NTP + a contrastive."""
+    """``--method gem``: summary tokens + attention-mask rule, (1 - a) NTP + a contrastive (METHOD.md section 2).
 
-    num_summary_tokens: int = field(default=1, metadata={"help": "gem: summary tokens per text."})
-    gem_plain_share: float = field(default=0.8, metadata={"help": "gem: share of plain-text rows for NTP."})
+    The paper's recipe is the default; ``[open]`` marks the choices the paper leaves to us.
+    """
+
+    num_summary_tokens: int = field(
+        default=1, metadata={"help": "gem: summary tokens per text, k (paper: 1; ablation 1, 2, 5, 10)."}
+    )
+    gem_plain_share: float = field(
+        default=0.8, metadata={"help": "gem: share of NTP rows without the summary block, p (paper: 0.8)."}
+    )
     gem_switch_step: int = field(
         default=100, metadata={"help": "gem: steps of NTP before the loss switches to contrastive (paper: 100)."}
+    )
+    gem_summary_tokens: str = field(
+        default="new",
+        metadata={
+            "help": "gem: 'new' (k new special tokens <|summary_i|> added to the tokenizer, embedding rows grown, "
+            "as the paper) or 'spare' (the tokenizer's k highest spare special tokens, no resize).",
+            "choices": ("new", "spare"),
+        },
+    )
+    gem_summary_init: str = field(
+        default="mean",
+        metadata={
+            "help": "gem [open]: initial input-embedding rows of new summary tokens: 'mean' (mean of the "
+            "vocabulary's rows; with a tied head their logit starts at the average token's) or 'eos' (a copy of "
+            "EOS's row, so the untrained summary state is h_eos).",
+            "choices": ("mean", "eos"),
+        },
+    )
+    gem_train_summary_rows: bool = field(
+        default=True,
+        metadata={
+            "help": "gem: train the summary tokens' embedding rows (peft trainable_token_indices; only those rows "
+            "are saved); --no-gem-train-summary-rows with --gem-summary-tokens spare is the earlier behaviour."
+        },
+    )
+    gem_block_position: str = field(
+        default="uniform",
+        metadata={
+            "help": "gem [open]: where the block goes in an NTP row: 'uniform' over the gaps with >= 1 text token "
+            "before it and >= 1 token after it (the final EOS counts), or 'inner' (>= 1 text token after it too).",
+            "choices": ("uniform", "inner"),
+        },
+    )
+    gem_positives: str = field(
+        default="prefix",
+        metadata={
+            "help": "gem: the contrastive positive of a text: 'prefix' (the same row with --gem-prefix-dropout of "
+            "its text tokens dropped, as the paper; no model dropout) or 'dropout' (a second pass with --dropout "
+            "on --dropout-on, SimCSE style; the earlier behaviour).",
+            "choices": ("prefix", "dropout"),
+        },
+    )
+    gem_prefix_dropout: float = field(
+        default=0.2,
+        metadata={
+            "help": "gem [open]: share of a text's tokens (BOS kept) dropped to make its positive: round(share x n) "
+            "tokens, at least 1 and at most n - 1."
+        },
+    )
+    gem_learn_logit_scale: bool = field(
+        default=True,
+        metadata={
+            "help": "gem: learn the InfoNCE logit scale (CLIP style, starting at 1 / --temperature = 20); "
+            "--no-gem-learn-logit-scale keeps 1 / --temperature fixed."
+        },
+    )
+    gem_max_logit_scale: float = field(
+        default=100.0, metadata={"help": "gem: upper clamp of the learnable logit scale (paper, CLIP: 100)."}
+    )
+    gem_contrastive_lr_scale: float = field(
+        default=0.1,
+        metadata={
+            "help": "gem: learning rate of the contrastive phase as a multiple of --lr, which the NTP phase uses "
+            "(paper: 1e-5 after 1e-4, so 0.1)."
+        },
+    )
+    gem_lr_schedule: str = field(
+        default="cosine",
+        metadata={
+            "help": "gem: contrastive-phase schedule: 'cosine' (from --lr x --gem-contrastive-lr-scale to 0 at "
+            "--steps) or 'constant'. The NTP phase is constant at --lr.",
+            "choices": ("cosine", "constant"),
+        },
     )
 
 
@@ -130,6 +238,13 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         "from U(0, p_mar), so training also sees nearly clean text, as at inference).",
     )
     p_mrc: float = field(default=0.5, metadata={"help": "Share of token keys hidden from the tiny decoder (Eq. 4)."})
+    train_mask_token: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the MAR mask token's embedding row (peft trainable_token_indices); the offline models "
+            "have no mask token, so the default mask is an untrained spare special token."
+        },
+    )
     mask_token: str = field(
         default="auto",
         metadata={

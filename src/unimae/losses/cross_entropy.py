@@ -12,6 +12,22 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+def output_projection(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (V, D), bias or None) of the LLM's output head, as its forward uses them.
+
+    A head wrapped by peft's trainable tokens (``trainable_token_indices`` on a model with tied embeddings)
+    keeps its trained rows as a delta beside the frozen matrix: they are merged in here, so a trained token
+    row counts in the softmax exactly as in the model's own forward.
+    """
+    adapter = getattr(head, "token_adapter", None)
+    if adapter is not None and not adapter.disable_adapters and adapter.active_adapters:
+        weight = adapter.get_merged_weights(adapter.active_adapters)
+    else:
+        weight = head.weight
+    base = getattr(head, "original_module", None) or getattr(adapter, "base_layer", None) or head
+    return weight, getattr(base, "bias", None)
+
+
 def _chunk_loss(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, softcap: float | None
 ) -> torch.Tensor:

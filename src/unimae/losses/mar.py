@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unimae.losses.cross_entropy import chunked_cross_entropy, per_example_mean
+from unimae.losses.cross_entropy import chunked_cross_entropy, output_projection, per_example_mean
 
 
 class MARLoss(nn.Module):
@@ -38,7 +38,6 @@ class MARLoss(nn.Module):
         rows = hidden[:, :-1][has_target]  # (n, D)
         targets = input_ids[:, 1:][has_target]  # (n,)
         example = torch.arange(batch, device=hidden.device)[:, None].expand_as(has_target)[has_target]  # (n,)
-        losses = chunked_cross_entropy(
-            rows, output_head.weight, targets, self.chunk_size, output_head.bias, self.softcap
-        )
+        weight, bias = output_projection(output_head)  # (V, D), (V,) or None
+        losses = chunked_cross_entropy(rows, weight, targets, self.chunk_size, bias, self.softcap)
         return per_example_mean(losses, example, batch)

@@ -12,11 +12,11 @@ Positions (``positions="scaled"``, the default): Eq. 3 adds a trainable ``p_i`` 
 i asks for token i. On SmolLM2-135M ``h_eos`` has an RMS of about 2 per dimension (Gemma-3-270M about 3.3,
 with outliers near 30) while the old ``p_i`` started at N(0, 0.02): ``h_eos + p_i`` was the same vector for
 every query (decoder outputs at positions 1 and 20 have cosine 0.9997 at initialisation on Wikipedia
-paragraphs; ``recipes/probe_decoder.py``), and MRC degenerated into
-predicting the text's bag of words from ``h_eos``. So ``h_eos`` and the token embeddings are RMS-normalised
-(no weights) before the positions are added, and ``p_i`` starts at N(0, 1): each part of ``h_eos + p_i`` has
-unit RMS, and queries at different positions differ from the first step (cosine 0.48 in the same probe). ``positions="legacy"`` keeps the
-old behaviour, to reproduce earlier numbers.
+paragraphs; ``recipes/probe_decoder.py``), and MRC degenerated into predicting the text's bag of words
+from ``h_eos``. So ``h_eos`` and the token embeddings are RMS-normalised (no weights) before the positions
+are added, and ``p_i`` starts at N(0, 1): each part of ``h_eos + p_i`` has unit RMS, and queries at
+different positions differ from the first step (cosine 0.48 in the same probe). ``positions="legacy"``
+keeps the old behaviour, to reproduce earlier numbers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from unimae.losses.cross_entropy import chunked_cross_entropy, per_example_mean
+from unimae.losses.cross_entropy import chunked_cross_entropy, output_projection, per_example_mean
 
 POSITION_MODES = ("scaled", "legacy")
 
@@ -125,8 +125,9 @@ class MRCLoss(nn.Module):
         out = self.decoder(h_eos, token_embeds.to(h_eos.dtype), visible)  # (B, T, D)
         real = attention_mask.bool()  # (B, T) pad queries carry no loss
         example = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(real)[real]
-        bias = output_head.bias.detach() if output_head.bias is not None else None
+        weight, bias = output_projection(output_head)  # (V, D), (V,) or None: detached, as in Eq. 5
+        bias = bias.detach() if bias is not None else None
         losses = chunked_cross_entropy(
-            out[real], output_head.weight.detach(), input_ids[real], self.chunk_size, bias, self.softcap
+            out[real], weight.detach(), input_ids[real], self.chunk_size, bias, self.softcap
         )  # (n,)
         return per_example_mean(losses, example, input_ids.shape[0])

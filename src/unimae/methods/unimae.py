@@ -28,6 +28,10 @@ class UniMAE(Method):
             config.p_mar_sampling,
         )
 
+    def lora_extra(self) -> dict:
+        """``--train-mask-token``: the mask token's embedding row trains with the LoRA (peft TrainableTokens)."""
+        return {"trainable_token_indices": [self.ctx.mask_id]} if self.config.train_mask_token else {}
+
     def build_objective(self, llm):
         from unimae.losses import UniMAEObjective
 
