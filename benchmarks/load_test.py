@@ -1,10 +1,19 @@
-"""Load test of ``unimae serve`` and a one-model vs two-model RAG comparison.
+"""Load test of ``unimae serve`` (a normal and a hostile mix) and a one-model vs two-model RAG comparison.
 
 Part 1 (server): starts ``unimae serve`` on 127.0.0.1 as a subprocess, then ``--clients`` concurrent
 clients send requests for ``--duration`` seconds, ``--embed-share`` of them ``/v1/embeddings`` (1-4
 STSBenchmark sentences) and the rest ``/v1/completions`` (greedy, ``--max-tokens`` tokens). Reports p50/p99
-latency per route, requests/s, the error count (every request is valid, so it must be 0) and the server's
-peak RSS (sampled every 0.2 s).
+latency per route, requests/s, the error count (every request is valid, so it must be 0; a client timeout
+of ``--timeout`` s counts as an error) and the server's RSS: idle (after start-up), warm (after one
+embedding and one completion), peak (sampled every 0.2 s) and after (once the load has ended and the
+server's embedding queue has drained); and the machine's 1-minute load average before and after the load.
+
+``--mix hostile`` adds ONE more client that sends large embedding requests back to back: ``--big-inputs``
+(256) texts of ``--big-tokens`` (512) tokens each (longer texts, truncated by the server to its max length),
+among the ``--clients`` (15 by default here) normal ones. At the end of the run it abandons its request in
+flight (a client that gives up: the server must drop the rest of that work). The small embedding requests
+sent while a large one was in flight are reported on their own (``embeddings_during_large``). This mix runs
+the server part only and writes ``results/load-test.json`` unless ``--output`` says otherwise.
 
 Part 2 (RAG): the same questions answered (a) by ONE model (SmolLM2 [EOS] embeddings retrieve, the same
 weights generate, reusing the query's KV cache) and (b) by TWO models (all-MiniLM-L6-v2 retrieves,
@@ -13,6 +22,7 @@ total), retrieval acc@1 (the question is the first words of a held-out paragraph
 and peak RSS. Corpus: the held-out enwiki-gensim paragraphs (676).
 
     python benchmarks/load_test.py --adapter runs/unimae/adapter
+    python benchmarks/load_test.py --mix hostile --duration 120
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+HOSTILE_OUTPUT = ROOT / "results" / "load-test.json"
 STSB_RELATIVE = Path("sts/STSBenchmark/test.jsonl")
 PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is", "A haiku about rain:"]
 
@@ -48,13 +59,16 @@ class PeakRSS:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def now(self) -> int:
+        """RSS of the process and its children now, in bytes."""
+        try:
+            return sum(p.memory_info().rss for p in [self.process, *self.process.children(recursive=True)])
+        except psutil.Error:
+            return 0
+
     def _run(self):
         while not self._stop.is_set():
-            try:
-                procs = [self.process, *self.process.children(recursive=True)]
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
-            except psutil.Error:
-                pass
+            self.peak = max(self.peak, self.now())
             self._stop.wait(self.every)
 
     def __enter__(self):
@@ -92,11 +106,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def run_clients(base: str, args, texts: list[str]) -> dict:
-    latencies: dict[str, list[float]] = {"embeddings": [], "completions": []}
+def big_texts(texts: list[str], count: int, tokens: int) -> list[str]:
+    """``count`` texts of well over ``tokens`` tokens (about 6 characters a token: at least 1.5x), so the server
+    truncates each to its max length (512 by default): ``count x max_length`` tokens a request."""
+    rng = random.Random(1)
+    out = []
+    for _ in range(count):
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < 6 * tokens:
+            words += rng.choice(texts).split()
+        out.append(" ".join(words))
+    return out
+
+
+async def run_clients(base: str, args, texts: list[str], large: list[str] | None) -> dict:
+    """``args.clients`` normal clients, and with ``large`` one client sending it as one request, back to back."""
+    records: list[tuple[str, float, float]] = []  # (route, start, end) of each request answered 200
     errors: list[str] = []
+    abandoned: list[tuple[float, float]] = []  # (start, end) of large requests given up at the deadline
     deadline = time.monotonic() + args.duration
     rng = random.Random(0)
+
+    async def send(http: httpx.AsyncClient, route: str, body: dict, timeout: float, label: str = "") -> None:
+        label, start = label or route, time.perf_counter()
+        try:
+            response = await http.post(f"{base}/v1/{route}", json=body, timeout=timeout)
+            if response.status_code != 200:
+                errors.append(f"{label} {response.status_code} {response.text[:200]}")
+                return
+        except httpx.HTTPError as err:
+            errors.append(f"{label} {type(err).__name__} after {time.perf_counter() - start:.1f} s")
+            return
+        records.append((label, start, time.perf_counter()))
 
     async def client(http: httpx.AsyncClient):
         while time.monotonic() < deadline:
@@ -105,22 +146,55 @@ async def run_clients(base: str, args, texts: list[str]) -> dict:
             else:
                 prompt = rng.choice(PROMPTS)
                 route, body = "completions", {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+            await send(http, route, body, args.timeout)
+
+    async def hostile(http: httpx.AsyncClient):
+        while (left := deadline - time.monotonic()) > 0:
             start = time.perf_counter()
             try:
-                response = await http.post(f"{base}/v1/{route}", json=body)
-                if response.status_code != 200:
-                    errors.append(f"{route} {response.status_code} {response.text[:200]}")
-                    continue
-            except httpx.HTTPError as err:
-                errors.append(f"{route} {type(err).__name__}")
-                continue
-            latencies[route].append(time.perf_counter() - start)
+                await asyncio.wait_for(send(http, "embeddings", {"input": large}, 3600, "embeddings_large"), left)
+            except asyncio.TimeoutError:  # the run is over: give up on it, as an impatient client would
+                abandoned.append((start, time.perf_counter()))
 
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=args.timeout) as http:
         start = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(args.clients)))
+        clients = [client(http) for _ in range(args.clients)]
+        await asyncio.gather(*clients, *([hostile(http)] if large else []))
         wall = time.perf_counter() - start
-    return {"latencies": latencies, "errors": errors, "wall": wall}
+    return {"records": records, "errors": errors, "abandoned": abandoned, "wall": wall}
+
+
+def route_stats(records: list[tuple[str, float, float]], route: str, during=None) -> dict:
+    """Latency summary of ``route``'s requests (only those that started inside a ``during`` interval)."""
+    values = [
+        end - start
+        for name, start, end in records
+        if name == route and (during is None or any(a <= start < b for a, b in during))
+    ]
+    summary = {"requests": len(values)}
+    for key, q in (("p50_s", 50), ("p99_s", 99)):
+        summary[key] = round(percentile(values, q), 3) if values else None
+    summary["mean_s"] = round(statistics.mean(values), 3) if values else None
+    summary["max_s"] = round(max(values), 3) if values else None
+    return summary
+
+
+def warm_up(base: str) -> None:
+    """One embedding and one short completion before the load: the warm RSS includes what the first requests
+    allocate for good (measured in-process: the first SmolLM2-135M generation keeps about 0.27 GB)."""
+    httpx.post(f"{base}/v1/embeddings", json={"input": "warm up"}, timeout=600).raise_for_status()
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+def drained(base: str, limit_s: float = 300) -> dict:
+    """Wait until the server's embedding queue is empty; its /health counters (empty for an older server)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        stats = httpx.get(f"{base}/health", timeout=30).json().get("embeddings", {})
+        if stats.get("waiting_requests", 0) == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
 
 
 def server_load_test(args) -> dict:
@@ -140,6 +214,9 @@ def server_load_test(args) -> dict:
     ]
     if args.adapter:
         cmd += ["--adapter", args.adapter]
+    cmd += args.server_args
+    texts = sentences(Path(args.data_dir))
+    large = big_texts(texts, args.big_inputs, args.big_tokens) if args.mix == "hostile" else None
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -154,33 +231,59 @@ def server_load_test(args) -> dict:
                 except httpx.HTTPError:
                     time.sleep(0.5)
             startup = time.perf_counter() - started
-            idle_rss = rss.peak
-            result = asyncio.run(run_clients(base, args, sentences(Path(args.data_dir))))
+            idle_rss = rss.now()
+            warm_up(base)
+            warm_rss = rss.now()
+            load_start = os.getloadavg()[0]
+            result = asyncio.run(run_clients(base, args, texts, large))
+            load_end = os.getloadavg()[0]
+            drain_start = time.perf_counter()
+            counters = drained(base)
+            drain = time.perf_counter() - drain_start
+            time.sleep(args.settle)  # the batcher hands memory back once its queue is empty
+            after_rss = rss.now()
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
-    routes = {}
-    for route, values in result["latencies"].items():
-        routes[route] = {
-            "requests": len(values),
-            "p50_s": round(percentile(values, 50), 3) if values else None,
-            "p99_s": round(percentile(values, 99), 3) if values else None,
-            "mean_s": round(statistics.mean(values), 3) if values else None,
-        }
-    total = sum(r["requests"] for r in routes.values())
-    return {
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a worker thread still embedding an abandoned request
+            proc.kill()
+            proc.wait()
+    records = result["records"]
+    routes = {route: route_stats(records, route) for route in ("embeddings", "completions")}
+    if large is not None:
+        routes["embeddings_large"] = route_stats(records, "embeddings_large")
+        in_flight = [(start, end) for name, start, end in records if name == "embeddings_large"]
+        in_flight += result["abandoned"]
+        routes["embeddings_during_large"] = route_stats(records, "embeddings", during=in_flight)
+    out = {
+        "mix": args.mix,
         "clients": args.clients,
         "duration_s": args.duration,
         "embed_share": args.embed_share,
         "completion_max_tokens": args.max_tokens,
+        "client_timeout_s": args.timeout,
+        "server_args": args.server_args,
         "startup_s": round(startup, 1),
         "routes": routes,
-        "requests_per_s": round(total / result["wall"], 2),
+        "requests_per_s": round(len(records) / result["wall"], 2),
         "errors": len(result["errors"]),
         "error_samples": result["errors"][:5],
-        "idle_rss_gb": round(idle_rss / 1e9, 2),
-        "peak_rss_gb": round(rss.peak / 1e9, 2),
+        "idle_rss_gb": round(idle_rss / 1e9, 3),
+        "warm_rss_gb": round(warm_rss / 1e9, 3),
+        "peak_rss_gb": round(rss.peak / 1e9, 3),
+        "after_rss_gb": round(after_rss / 1e9, 3),
+        "after_over_idle_rss": round(after_rss / idle_rss, 2) if idle_rss else None,
+        "after_over_warm_rss": round(after_rss / warm_rss, 2) if warm_rss else None,
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": {"start": round(load_start, 2), "end": round(load_end, 2)},
+        "drain_s": round(drain, 1),
+        "server_embedding_counters": counters,
     }
+    if large is not None:
+        out["large_request"] = {"inputs": args.big_inputs, "tokens_each": args.big_tokens}
+        out["large_abandoned_after_s"] = [round(end - start, 1) for start, end in result["abandoned"]]
+    return out
 
 
 def rag_worker(mode: str, args) -> dict:
@@ -280,25 +383,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--adapter", default=None)
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--mix", choices=("normal", "hostile"), default="normal", help="hostile: see above.")
+    parser.add_argument("--clients", type=int, default=None, help="Normal clients (default 8; 15 with --mix hostile).")
     parser.add_argument("--duration", type=float, default=60.0, help="Seconds of load.")
     parser.add_argument("--embed-share", type=float, default=0.7, help="Share of embedding requests.")
     parser.add_argument("--max-tokens", type=int, default=16, help="Tokens per completion / RAG answer.")
+    parser.add_argument("--timeout", type=float, default=30.0, help="Client timeout of a normal request (s).")
+    parser.add_argument("--big-inputs", type=int, default=256, help="Texts per large request (--mix hostile).")
+    parser.add_argument("--big-tokens", type=int, default=512, help="Tokens per large text (--mix hostile).")
+    parser.add_argument("--settle", type=float, default=2.0, help="Seconds idle before the after-run RSS.")
+    parser.add_argument(
+        "--server-arg",
+        dest="server_args",
+        action="append",
+        default=[],
+        help="Extra argument for unimae serve (repeat it: --server-arg=--embed-chunk-tokens --server-arg=1024).",
+    )
     parser.add_argument("--questions", type=int, default=20, help="RAG questions per setup.")
     parser.add_argument("--skip-server", action="store_true")
-    parser.add_argument("--skip-rag", action="store_true")
+    parser.add_argument("--skip-rag", action="store_true", help="Implied by --mix hostile.")
     parser.add_argument("--data-dir", default=os.environ.get("UNIMAE_DATA", str(ROOT.parent / "shared" / "data")))
-    parser.add_argument("--output", default=str(RESULTS / "load_test.json"))
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="JSON path (default: benchmarks/results/load_test.json; results/load-test.json with --mix hostile).",
+    )
     parser.add_argument("--rag-worker", choices=("one", "two"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rag_worker:
         print(json.dumps(rag_worker(args.rag_worker, args)))
         return
+    hostile = args.mix == "hostile"
+    args.clients = args.clients if args.clients is not None else (15 if hostile else 8)
+    output = Path(args.output or (HOSTILE_OUTPUT if hostile else RESULTS / "load_test.json"))
     payload = {"model": args.model, "adapter": args.adapter}
     if not args.skip_server:
         payload["server"] = server_load_test(args)
         print(json.dumps(payload["server"], indent=2))
-    if not args.skip_rag:
+    if not args.skip_rag and not hostile:
         payload["rag"] = []
         for mode in ("one", "two"):
             cmd = [
@@ -318,9 +440,9 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             payload["rag"].append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(payload["rag"][-1], indent=2))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
-"""The OpenAI-compatible server, as a real process on 127.0.0.1, driven by the official `openai` client."""
+"""The OpenAI-compatible server, as a real process on 127.0.0.1, driven by the official `openai` client.
+
+The server process runs with a *gate* on the embedding forward pass: a pass whose input holds the token
+``GATE`` prints "gated" and waits for a line on its stdin. Tests that need a request to be part-way through
+(a large request, a client that disconnects) hold it there, so what runs when is decided by the test, not by
+timing; every wait has a generous timeout that only turns a hang into a failure.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -19,10 +27,56 @@ from conftest import SENTENCES
 
 from unimae.encoder import Encoder
 from unimae.index import VectorIndex
-from unimae.serving.batcher import DynamicBatcher
 
 openai = pytest.importorskip("openai")
 KEY = "test-key"
+GATE = "<extra_2>"  # a special token of the tiny tokenizer: one token wherever it is in a text
+LONG = " ".join(SENTENCES)  # 237 tokens: truncated to the index's max_length of 64
+CHUNK_TOKENS = 64  # --embed-chunk-tokens: one LONG input per chunk
+GATED_SERVE = """
+import sys
+
+from unimae.cli import main
+from unimae.embedding_spec import EmbeddingSpec
+
+forward, gate_open = EmbeddingSpec.forward, False
+
+
+def gated(self, model, input_ids, *args):
+    global gate_open
+    if (input_ids == GATE_ID).any() and not gate_open:
+        print("gated", flush=True)
+        gate_open = sys.stdin.readline().strip() in ("", "open for good")
+    return forward(self, model, input_ids, *args)
+
+
+EmbeddingSpec.forward = gated
+raise SystemExit(main())
+"""
+
+
+class Gate:
+    """The test's side of the server's gate: :meth:`held` waits until a forward pass is held there,
+    :meth:`release` lets it go, :meth:`open_for_good` lets every later one through (after a failure)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self._held = proc, queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.strip() == "gated":
+                self._held.put(True)
+
+    def held(self) -> None:
+        self._held.get(timeout=60)
+
+    def release(self, line: str = "go") -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def open_for_good(self) -> None:
+        self.release("open for good")
 
 
 def _free_port() -> int:
@@ -39,10 +93,11 @@ def server(tiny_model_dirs, tmp_path_factory):
     source = {"model": model, "adapter": None, "adapter_revision": "base"}
     VectorIndex.build(encoder, [(f"p{i}", t) for i, t in enumerate(SENTENCES)], index_dir, source=source)
     port = _free_port()
+    gate_id = encoder.tokenizer.convert_tokens_to_ids(GATE)
     cmd = [
         sys.executable,
         "-c",
-        "from unimae.cli import main; raise SystemExit(main())",
+        GATED_SERVE.replace("GATE_ID", str(gate_id)),
         "serve",
         "--index",
         str(index_dir),
@@ -60,10 +115,15 @@ def server(tiny_model_dirs, tmp_path_factory):
         "20000",
         "--max-new-tokens",
         "32",
+        "--embed-chunk-tokens",
+        str(CHUNK_TOKENS),
+        "--max-request-tokens",
+        str(7 * CHUNK_TOKENS),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(index_dir / "server.log", "w+")  # noqa: SIM115 - read back on failure
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=log, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -78,7 +138,8 @@ def server(tiny_model_dirs, tmp_path_factory):
     else:
         proc.kill()
         pytest.fail("server did not start within 120 s")
-    yield {"base": base, "encoder": encoder, "proc": proc, "log": index_dir / "server.log"}
+    yield {"base": base, "encoder": encoder, "proc": proc, "log": index_dir / "server.log", "gate": Gate(proc)}
+    proc.stdin.close()  # a pass still held at the gate goes on
     proc.terminate()
     code = proc.wait(timeout=30)
     output = (index_dir / "server.log").read_text()
@@ -154,6 +215,9 @@ def test_stop_string_cuts_the_completion(client):
         ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "limit of 32"),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": "NaN"}, 400, "must be a finite number"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": "nan"}, 400, "finite"),
+        ("/v1/embeddings", {"input": [LONG] * 8}, 413, "max-request-tokens"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
         ("/v1/rag", {"query": ""}, 400, "query"),
@@ -207,40 +271,6 @@ def test_rag_route_retrieves_and_answers_the_same_with_and_without_cache(server)
     events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
     assert events[0]["object"] == "rag.passages" and events[-1]["answer"] == cached["answer"]
     assert stream.rstrip().endswith("data: [DONE]")
-
-
-def test_dynamic_batcher_merges_concurrent_requests_and_returns_each_its_rows():
-    calls = []
-
-    def embed(texts):
-        calls.append(len(texts))
-        return np.array([[float(t)] for t in texts])
-
-    async def main():
-        batcher = DynamicBatcher(embed, max_batch_texts=16, max_wait_ms=50)
-        batcher.start()
-        outs = await asyncio.gather(*(batcher.submit([str(i), str(i + 100)]) for i in range(20)))
-        await batcher.stop()
-        return outs, batcher.stats
-
-    outs, stats = asyncio.run(main())
-    for i, out in enumerate(outs):
-        assert out[:, 0].tolist() == [i, i + 100]
-    assert stats.requests == 20 and stats.texts == 40 and max(calls) <= 16 and len(calls) < 20
-
-
-def test_dynamic_batcher_passes_errors_to_every_caller():
-    def embed(texts):
-        raise RuntimeError("boom")
-
-    async def main():
-        batcher = DynamicBatcher(embed, max_wait_ms=20)
-        batcher.start()
-        outs = await asyncio.gather(*(batcher.submit(["x"]) for _ in range(3)), return_exceptions=True)
-        await batcher.stop()
-        return outs
-
-    assert all(isinstance(o, RuntimeError) for o in asyncio.run(main()))
 
 
 def test_more_edge_cases_get_clean_4xx(server):
@@ -304,3 +334,204 @@ def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monk
     assert (first, second) == (200, 200)
     assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"
     assert (slots.running, slots.waiting) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/embeddings", rb'{"input": "hi \ud800"}', "input"),
+        ("/v1/embeddings", rb'{"input": ["fine", "x \udfff y"]}', "input.1"),
+        ("/v1/embeddings", rb'{"input": "hi", "model": "\ud800"}', "model"),
+        ("/v1/embeddings", rb'{"input": "hi", "user": "\udbff"}', "user"),
+        ("/v1/completions", rb'{"prompt": "hi \ud800"}', "prompt"),
+        ("/v1/completions", rb'{"prompt": "hi", "stop": ["\ud800"]}', "stop.0"),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "hi \ud800"}]}', "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}',
+            "messages.0.content.0.text",
+        ),
+        ("/v1/rag", rb'{"query": "where \ud800"}', "query"),
+    ],
+)
+def test_text_that_utf8_cannot_encode_is_a_400_naming_the_field(server, path, raw, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server["base"], headers=headers, timeout=60) as http:
+        response = http.post(path, content=raw)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "not valid Unicode" in error["message"], error
+        assert http.post("/v1/embeddings", json={"input": "the same connection"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/v1/embeddings", rb'{"input": "a\u0000b"}'),
+        ("/v1/embeddings", rb'{"input": "\ud83d\ude00 a valid surrogate pair"}'),
+        ("/v1/embeddings", rb'{"input": ["a", null]}'),
+        ("/v1/embeddings", rb'{"input": {"text": "a"}}'),
+        ("/v1/embeddings", rb'{"input": "a", "dimensions": 1e400}'),
+        ("/v1/embeddings", rb'{"input": "a", "encoding_format": null}'),
+        ("/v1/embeddings", rb'{"input": "a", "\ud800": 1}'),
+        ("/v1/embeddings", b"\xff\xfe{}"),
+        ("/v1/embeddings", b""),
+        ("/v1/embeddings", b"null"),
+        ("/v1/completions", rb'{"prompt": "x", "temperature": NaN}'),
+        ("/v1/completions", rb'{"prompt": "x", "temperature": Infinity}'),
+        ("/v1/completions", rb'{"prompt": "x", "top_p": -Infinity}'),
+        ("/v1/completions", rb'{"prompt": "x", "max_tokens": 1e999}'),
+        ("/v1/completions", rb'{"prompt": "x", "max_tokens": 99999999999999999999999}'),
+        ("/v1/completions", rb'{"prompt": "x", "seed": -1}'),
+        ("/v1/completions", rb'{"prompt": "x", "stop": [""]}'),
+        ("/v1/completions", rb'{"prompt": "x", "stop": 5}'),
+        ("/v1/completions", rb'{"prompt": [], "max_tokens": 1}'),
+        ("/v1/completions", rb'{"prompt": "", "max_tokens": 1}'),
+        ("/v1/chat/completions", rb'{"messages": "hi"}'),
+        ("/v1/chat/completions", rb'{"messages": [null]}'),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user"}], "max_tokens": 1}'),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'),
+        ("/v1/rag", rb'{"query": "x", "k": 0}'),
+        ("/v1/rag", rb'{"query": "x", "k": 1e9}'),
+        ("/v1/rag", rb'{"query": "x", "max_tokens": 100000}'),
+    ],
+)
+def test_no_bad_input_gets_a_500(server, path, raw):
+    response = _post(server, path, content=raw)
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert response.json()["error"]["type"] == "invalid_request_error", response.text
+
+
+def _embedding_stats(server) -> dict:
+    return httpx.get(server["base"] + "/health", timeout=60).json()["embeddings"]
+
+
+def _until_stats(server, condition) -> dict:
+    """Poll /health until ``condition(stats)``; the deadline only turns a hang into a failure."""
+    deadline = time.monotonic() + 60
+    while not condition(stats := _embedding_stats(server)):
+        assert time.monotonic() < deadline, f"the server's embedding counters never got there: {stats}"
+        time.sleep(0.05)
+    return stats
+
+
+def test_a_small_request_waits_at_most_one_chunk_behind_a_large_one(server):
+    gate, before = server["gate"], _embedding_stats(server)
+    large_body = {"input": [f"{GATE} {LONG}"] * 6, "encoding_format": "float"}  # 6 chunks of one input
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            large = pool.submit(_post, server, "/v1/embeddings", large_body)
+            gate.held()  # chunk 1 of the large request runs, held at the gate
+            small = pool.submit(_post, server, "/v1/embeddings", {"input": "the cat sat"})
+            _until_stats(server, lambda s: s["waiting_requests"] == 2)  # the small one waits behind it
+            gate.release()
+            assert small.result(timeout=60).status_code == 200  # served while the large one is held again:
+            gate.held()  # its chunk 2 came after the small request's chunk
+            assert not large.done()
+            for _ in range(4):
+                gate.release()
+                gate.held()
+            gate.release()
+            response = large.result(timeout=60)
+    except BaseException:
+        gate.open_for_good()
+        raise
+    assert response.status_code == 200 and len(response.json()["data"]) == 6
+    after = _embedding_stats(server)
+    assert after["chunks"] - before["chunks"] == 7 and after["waiting_requests"] == 0
+    assert response.json()["usage"]["prompt_tokens"] == 6 * CHUNK_TOKENS
+    expected = server["encoder"].encode(large_body["input"][:1], normalize=True)[0]
+    assert np.allclose(response.json()["data"][5]["embedding"], expected, atol=1e-4)
+
+
+def test_a_client_that_disconnects_has_its_remaining_chunks_dropped(server):
+    gate, before = server["gate"], _embedding_stats(server)
+    body = json.dumps({"input": [f"{GATE} {LONG}"] * 6}).encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    try:
+        host, port = server["base"].removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(head.encode() + body)
+            gate.held()  # chunk 1 of 6 runs, held at the gate
+        _until_stats(server, lambda s: s["cancelled_requests"] == before["cancelled_requests"] + 1)
+        gate.release()  # chunk 1 ends; the other five must never run (they would be held at the gate)
+        assert _post(server, "/v1/embeddings", {"input": "the dog ran"}).status_code == 200
+    except BaseException:
+        gate.open_for_good()
+        raise
+    after = _embedding_stats(server)
+    assert after["dropped_texts"] - before["dropped_texts"] == 5
+    assert after["chunks"] - before["chunks"] == 2 and after["waiting_requests"] == 0  # chunk 1 + the small one
+
+
+def test_embedding_requests_are_tokenized_off_the_event_loop(tiny_model_dirs, monkeypatch):
+    from unimae.serving.app import create_app
+    from unimae.serving.config import ServerConfig
+
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
+    app = create_app(encoder, ServerConfig(model_name="tiny"))
+    state = app.state.server
+    tokenizing, release, finished = threading.Event(), threading.Event(), threading.Event()
+    tokenize = state.embedding_inputs
+
+    def slow_tokenize(texts):  # as a huge request would: holds its thread until the test releases it
+        tokenizing.set()
+        try:
+            assert release.wait(30), "the test never released the tokenizer"
+            return tokenize(texts)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(state, "embedding_inputs", slow_tokenize)
+
+    async def main():
+        state.batcher.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            try:
+                request = asyncio.create_task(http.post("/v1/embeddings", json={"input": "the cat"}))
+                assert await asyncio.get_running_loop().run_in_executor(None, tokenizing.wait, 30)
+                health = await http.get("/health")  # answered while the tokenizer still holds its thread
+                answered_while_tokenizing = not finished.is_set()
+            finally:
+                release.set()
+            response = await request
+        await state.batcher.stop()
+        return health, answered_while_tokenizing, response
+
+    health, answered_while_tokenizing, response = asyncio.run(main())
+    assert health.status_code == 200 and answered_while_tokenizing
+    assert response.status_code == 200 and len(response.json()["data"]) == 1
+
+
+def test_on_too_long_error_refuses_only_inputs_over_max_length(tiny_model_dirs):
+    from unimae.serving.app import create_app
+    from unimae.serving.config import ServerConfig
+
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=16)
+    app = create_app(encoder, ServerConfig(model_name="tiny", on_too_long="error"))
+    words = LONG.split()
+    by_length = {}  # model input length (BOS, text, EOS) -> a text of that length
+    for n in range(1, len(words)):
+        text = " ".join(words[:n])
+        by_length.setdefault(len(encoder.spec.build_inputs(encoder.tokenizer, [text], 10_000)[0].ids), text)
+    fits, over = by_length[max(k for k in by_length if k <= 16)], by_length[min(k for k in by_length if k > 16)]
+
+    async def main():
+        app.state.server.batcher.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            ok = await http.post("/v1/embeddings", json={"input": fits, "encoding_format": "float"})
+            refused = await http.post("/v1/embeddings", json={"input": ["short", over]})
+        await app.state.server.batcher.stop()
+        return ok, refused
+
+    ok, refused = asyncio.run(main())
+    assert ok.status_code == 200, ok.text
+    assert np.allclose(ok.json()["data"][0]["embedding"], encoder.encode([fits], normalize=True)[0], atol=1e-5)
+    assert refused.status_code == 400, refused.text
+    assert "input[1] is over this server's limit of 16" in refused.json()["error"]["message"]

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from unimae.adapter import embedding_spec, load_with_adapter
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.generation import GenerationParams, generate_text
-from unimae.pooling import pool
+from unimae.pooling import PooledInput, pool
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
 from unimae.runtime import tune_allocator
 from unimae.tokenization import pad_batch
@@ -128,12 +128,28 @@ class Encoder:
         texts = [texts] if single else list(texts)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not texts:
-            return np.zeros((0, self.embedding_dim), dtype=np.float32)
-        inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length)
+        inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length) if texts else []
+        out = self.encode_inputs(inputs, batch_size, normalize=normalize, show_progress=show_progress)
+        return out[0] if single else out
+
+    @torch.inference_mode()
+    def encode_inputs(
+        self,
+        inputs: Sequence[PooledInput],
+        batch_size: int = 32,
+        normalize: bool = False,
+        show_progress: bool | None = None,
+    ) -> np.ndarray:
+        """Embed texts already tokenized by ``self.spec.build_inputs`` -> (N, D) float32 array, in input order.
+
+        :meth:`encode` is ``build_inputs`` then this; the server tokenizes in its request threads and hands
+        the inputs to its batcher, which embeds them with this method chunk by chunk.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        out = np.zeros((len(inputs), self.embedding_dim), dtype=np.float32)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i].ids))
-        out = np.zeros((len(texts), self.embedding_dim), dtype=np.float32)
-        show = len(texts) > 4 * batch_size if show_progress is None else show_progress
+        show = len(inputs) > 4 * batch_size if show_progress is None else show_progress
         starts = range(0, len(order), batch_size)
         for start in tqdm(starts, desc="encode", disable=not show, unit="batch"):
             chosen = order[start : start + batch_size]
@@ -145,7 +161,7 @@ class Encoder:
             if normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[chosen] = vectors.cpu().numpy()
-        return out[0] if single else out
+        return out
 
     @torch.inference_mode()
     def encode_with_cache(self, text: str, normalize: bool = False) -> tuple[np.ndarray, list[int], object]:

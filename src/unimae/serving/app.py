@@ -4,13 +4,17 @@ Routes: ``POST /v1/embeddings``, ``POST /v1/completions``, ``POST /v1/chat/compl
 ``POST /v1/rag`` (with ``--index``), ``GET /v1/models``, ``GET /health``. Every error is an OpenAI-style
 body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests.
 
-Model work runs in worker threads: embedding requests go through a :class:`DynamicBatcher`; at most
-``max_concurrent_generations`` generations run at once, ``max_queued_generations`` more may wait, and
-further ones get 429. A client that disconnects from a stream stops its generation within a token.
+Model work runs in worker threads, and so does parsing and tokenizing a request (a body of a few MB would
+otherwise stall every other request). Embedding requests go through a :class:`DynamicBatcher` that schedules
+by tokens: a large request is embedded in chunks of ``embed_chunk_tokens`` between the others, and a client
+that disconnects cancels its remaining chunks. At most ``max_concurrent_generations`` generations run at once,
+``max_queued_generations`` more may wait, and further ones get 429. A client that disconnects from a stream
+stops its generation within a token.
 
 Where things are: the routes in ``routes/`` (one router per group), the state they share in ``state.py``,
-generation slots in ``slots.py``, SSE in ``sse.py``, the API-key and body-size guard in ``guard.py``. This
-module builds the app from them and turns every exception into the error body.
+generation slots in ``slots.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key and
+body-size guard in ``guard.py``. This module builds the app from them and turns every exception into the error
+body.
 """
 
 from __future__ import annotations

@@ -12,17 +12,40 @@ class ServerConfig:
     model_name: str = field(default="unimae", metadata={"help": "Model id the API reports and accepts."})
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (not /health)."})
     max_inputs: int = field(default=256, metadata={"help": "Most texts in one embeddings request."})
-    on_too_long: str = field(default="truncate", metadata={"help": "Input over max_length tokens: truncate or error."})
+    on_too_long: str = field(
+        default="truncate",
+        metadata={"help": "Input over max_length tokens: truncate or error.", "choices": ("truncate", "error")},
+    )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest request body accepted."})
     max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens a request may ask for."})
     default_chat_tokens: int = field(default=256, metadata={"help": "max_tokens of chat/RAG when not given."})
     max_concurrent_generations: int = field(default=1, metadata={"help": "Generations running at once."})
     max_queued_generations: int = field(default=32, metadata={"help": "Generations waiting; more get 429."})
+    max_request_tokens: int = field(
+        default=256 * 512,
+        metadata={"help": "Most tokens (after truncation, with special tokens) in one embeddings request; 413 beyond."},
+    )
+    embed_chunk_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "Padded tokens per embedding forward pass: larger requests are split into chunks this size, "
+            "interleaved with other requests (a new request waits at most about one chunk). Raise it on a GPU."
+        },
+    )
     batch_max_texts: int = field(default=64, metadata={"help": "Most texts per batched embedding forward pass."})
     batch_wait_ms: float = field(default=10.0, metadata={"help": "Longest wait for more requests to batch."})
 
     def __post_init__(self):
-        for name in ("max_inputs", "max_body_bytes", "max_new_tokens", "max_concurrent_generations", "batch_max_texts"):
+        positive = (
+            "max_inputs",
+            "max_body_bytes",
+            "max_new_tokens",
+            "max_concurrent_generations",
+            "max_request_tokens",
+            "embed_chunk_tokens",
+            "batch_max_texts",
+        )
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.on_too_long not in ("truncate", "error"):

@@ -1,15 +1,21 @@
 """OpenAI-format request bodies (pydantic), their parsing, and the OpenAI-style error body.
 
 Only what unimae serves is accepted; unknown fields are ignored as OpenAI clients send extras
-(``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes.
+(``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes. A string
+that UTF-8 cannot encode (JSON allows a lone UTF-16 surrogate such as ``"\\ud800"``; the tokenizer and the
+response encoder do not) is a 400 naming its field, wherever it is in the body.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -18,6 +24,7 @@ class APIError(Exception):
     """An error returned to the client as ``{"error": {message, type, param, code}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message, param = _printable(message), _printable(param)  # the body must encode, whatever was echoed
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -35,21 +42,74 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+async def parse_request(request: Request, schema: type[Body]) -> Body:
+    """The request's body as ``schema`` (:func:`parse_body`), parsed in a worker thread: a body of a few MB
+    takes tens of milliseconds to parse, which would stall every other request on the event loop."""
+    return await run_in_threadpool(parse_body, await request.body(), schema)
+
+
 def parse_body(raw: bytes, schema: type[Body]) -> Body:
-    """A request body -> ``schema``, or a 400 naming the first thing wrong (bad JSON, not an object, a field)."""
+    """A request body -> ``schema``, or a 400 naming the first thing wrong (bad JSON, not an object, a string
+    that is not valid Unicode, a field)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise APIError(400, f"the request body is not valid JSON: {type(err).__name__}: {err}") from err
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) or not json.detect_encoding(raw).startswith("utf-8"):
+        _check_unicode(data)  # in UTF-8, only a \uD800-\uDFFF escape can put a surrogate in the parsed body
     try:
         return schema.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "finite_number":  # "NaN", "inf": not "must be <= 2"
+            message = "must be a finite number"
         raise APIError(400, f"invalid '{where}': {message}" if where else message, param=where) from err
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(data: dict) -> None:
+    """400 naming the first string (key or value, in document order) that UTF-8 cannot encode: one with a
+    lone surrogate (a valid surrogate pair is one character once parsed). Fields are named as pydantic does."""
+    stack: list[tuple[tuple, Iterator]] = [((), iter(data.items()))]
+    while stack:
+        path, entries = stack[-1]
+        entry = next(entries, None)
+        if entry is None:
+            stack.pop()
+            continue
+        key, value = entry
+        where = (*path, key)
+        for text in (key, value):
+            if isinstance(text, str):
+                _check_string(where, text)
+        if isinstance(value, dict):
+            stack.append((where, iter(value.items())))
+        elif isinstance(value, list):
+            stack.append((where, enumerate(value)))
+
+
+def _check_string(path: tuple, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        where = ".".join(_printable(str(p)) for p in path)
+        raise APIError(
+            400,
+            f"invalid '{where}': the text is not valid Unicode (a lone UTF-16 surrogate, U+{ord(text[err.start]):04X}, "
+            f"at character {err.start}); send UTF-8 text",
+            param=where,
+        ) from None
+
+
+def _printable(text: str | None) -> str | None:
+    """``text`` with anything UTF-8 cannot encode written as a ``\\udXXX`` escape."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _as_list(value, name: str) -> list[str]:
@@ -78,8 +138,8 @@ class EmbeddingRequest(BaseModel):
 class _Sampling(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # "NaN": "a finite number"
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stop: str | list[str] | None = Field(default=None, validate_default=True)

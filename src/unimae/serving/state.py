@@ -1,4 +1,5 @@
-"""What every route shares: the loaded model, the settings, the embedding batcher, RAG, generation slots.
+"""What every route shares: the loaded model, the settings, the embedding batcher and its tokenizer, RAG,
+generation slots.
 
 One :class:`ServerState` per app, on ``app.state.server``; a route asks for it with a ``StateDep``
 parameter. Its methods are the request checks that depend on the served model and the server's limits.
@@ -6,18 +7,22 @@ parameter. Its methods are the request checks that depend on the served model an
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
+import numpy as np
 from fastapi import Depends, Request
 
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams
 from unimae.index import VectorIndex
+from unimae.pooling import PooledInput
 from unimae.rag import RAG
 from unimae.serving.batcher import DynamicBatcher
 from unimae.serving.config import ServerConfig
+from unimae.serving.memory import release_free_memory
 from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest
 from unimae.serving.slots import GenerationSlots
 
@@ -28,22 +33,48 @@ class ServerState:
     config: ServerConfig
     batcher: DynamicBatcher  # started and stopped by the app's lifespan
     slots: GenerationSlots
+    embedding_tokenizer: Any  # the encoder's tokenizer, copied: see embedding_inputs
     index: VectorIndex | None = None
     rag: RAG | None = None  # with an index only
     context: int | None = None  # the model's context length in tokens, when it has one
 
     @classmethod
     def build(cls, encoder: Encoder, config: ServerConfig, index: VectorIndex | None = None) -> ServerState:
-        embed = functools.partial(encoder.encode, normalize=True, show_progress=False)  # texts -> (N, D) unit rows
-        return cls(
+        batcher = DynamicBatcher(
+            functools.partial(_embed_chunk, encoder),
+            config.batch_max_texts,
+            config.batch_wait_ms,
+            chunk_tokens=config.embed_chunk_tokens,
+            size=lambda item: len(item.ids),
+            on_idle=release_free_memory,
+        )
+        state = cls(
             encoder=encoder,
             config=config,
-            batcher=DynamicBatcher(embed, config.batch_max_texts, config.batch_wait_ms),
+            batcher=batcher,
             slots=GenerationSlots(config.max_concurrent_generations, config.max_queued_generations),
+            embedding_tokenizer=copy.deepcopy(encoder.tokenizer),
             index=index,
             rag=RAG(encoder, index) if index is not None else None,
             context=getattr(encoder.model.config, "max_position_embeddings", None),
         )
+        state.embedding_inputs(["warm up"])  # sets the copy's truncation before threads share it
+        return state
+
+    def embedding_inputs(self, texts: list[str]) -> list[PooledInput]:
+        """Model inputs of ``texts`` for the batcher (call it in a worker thread: a few MB of text takes seconds).
+
+        With ``on_too_long='error'`` they are built for ``max_length + 1`` tokens: an input longer than
+        ``max_length`` comes out one token longer than that (the route refuses it), and every other input is
+        exactly what ``max_length`` gives (truncation is the only effect of the length on every pooling).
+
+        The tokenizer is the encoder's, copied once, and always called with the same truncation setting:
+        a Hugging Face fast tokenizer rewrites its Rust state when the setting changes, which fails ("Already
+        borrowed") while another thread is tokenizing with it, and prompts are tokenized in other threads.
+        """
+        error = self.config.on_too_long == "error"
+        length = self.encoder.max_length + 1 if error else self.encoder.max_length
+        return self.encoder.spec.build_inputs(self.embedding_tokenizer, texts, length)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model's id (or not given)."""
@@ -73,6 +104,11 @@ class ServerState:
         return GenerationParams(
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed
         )
+
+
+def _embed_chunk(encoder: Encoder, inputs: list[PooledInput]) -> np.ndarray:
+    """One chunk of the batcher -> (N, D) unit rows, in ONE forward pass: its token budget is per pass."""
+    return encoder.encode_inputs(inputs, batch_size=len(inputs), normalize=True, show_progress=False)
 
 
 async def get_state(request: Request) -> ServerState:

@@ -1,7 +1,8 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI format, streamed over SSE or not.
 
-Both tokenize the prompt, check the token budget, then either take a generation slot and answer in one
-body, or reserve a slot (429 now if the queue is full) and return an SSE stream that holds it.
+Both parse the body and tokenize the prompt in a worker thread (a 4 MB prompt would stall the event loop for
+seconds), check the token budget, then either take a generation slot and answer in one body, or reserve a
+slot (429 now if the queue is full) and return an SSE stream that holds it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
-from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, parse_body
+from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import ServerState, StateDep
 
@@ -46,9 +47,9 @@ class _Reply:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request, state: StateDep) -> dict | StreamingResponse:
-    body = parse_body(await request.body(), CompletionRequest)
+    body = await parse_request(request, CompletionRequest)
     state.check_model(body.model)
-    ids = state.encoder.prompt_ids(body.prompt)
+    ids = await run_in_threadpool(state.encoder.prompt_ids, body.prompt)
     if not ids:
         raise APIError(400, "prompt is empty", "prompt")
     params = state.sampling(body, 16, len(ids))
@@ -62,10 +63,10 @@ async def completions(request: Request, state: StateDep) -> dict | StreamingResp
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat(request: Request, state: StateDep) -> dict | StreamingResponse:
-    body = parse_body(await request.body(), ChatRequest)
+    body = await parse_request(request, ChatRequest)
     state.check_model(body.model)
     try:
-        ids = state.encoder.prompt_ids([m.as_template_message() for m in body.messages])
+        ids = await run_in_threadpool(state.encoder.prompt_ids, [m.as_template_message() for m in body.messages])
     except (ValueError, TemplateError) as err:
         raise APIError(400, str(err), "messages") from err
     params = state.sampling(body, state.config.default_chat_tokens, len(ids))

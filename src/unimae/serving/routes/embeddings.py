@@ -1,51 +1,109 @@
-"""``POST /v1/embeddings``: OpenAI format, unit-length embeddings batched across concurrent callers."""
+"""``POST /v1/embeddings``: OpenAI format, unit-length embeddings batched across concurrent callers.
+
+Parsing, checking and tokenizing run in a worker thread (a 4 MB body takes seconds to tokenize), then the
+token ids go to the :class:`~unimae.serving.batcher.DynamicBatcher`, which embeds them in token-budgeted
+chunks between other requests. A client that disconnects while it waits cancels its request: the batcher
+drops its chunks not yet run. The response body is rendered in a worker thread too (256 x D floats as JSON).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
+from unimae.pooling import PooledInput
 from unimae.serving.schemas import APIError, EmbeddingRequest, parse_body
 from unimae.serving.state import ServerState, StateDep
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 @router.post("/v1/embeddings", response_model=None)
-async def embeddings(request: Request, state: StateDep) -> dict:
-    body = parse_body(await request.body(), EmbeddingRequest)
+async def embeddings(request: Request, state: StateDep) -> Response:
+    raw = await request.body()
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        body, inputs = await run_in_threadpool(_prepare, state, raw)
+        vectors = await _unless_gone(state.batcher.submit(inputs), gone)  # (N, D) unit rows
+    finally:
+        gone.cancel()
+    content = await run_in_threadpool(_render, state, body, inputs, vectors)
+    return Response(content, media_type="application/json")
+
+
+def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[PooledInput]]:
+    """The parsed body and its model inputs; 400 for a bad body, too many inputs, empty ones or (if so set)
+    too long ones, 413 for more tokens than ``max_request_tokens``."""
+    body = parse_body(raw, EmbeddingRequest)
     state.check_model(body.model)
-    lengths = _checked_lengths(state, body)
-    vectors = await state.batcher.submit(body.input)  # (N, D) unit rows
-    used = sum(min(n, state.encoder.max_length) for n in lengths)
-    return {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(_encoded(vectors, body))],
-        "model": state.config.model_name,
-        "usage": {"prompt_tokens": used, "total_tokens": used},
-    }
-
-
-def _checked_lengths(state: ServerState, body: EmbeddingRequest) -> list[int]:
-    """Token count of each input (with EOS); 400 for too many inputs, empty ones or (if so set) too long ones."""
     texts, config, encoder = body.input, state.config, state.encoder
     if len(texts) > config.max_inputs:
         raise APIError(400, f"{len(texts)} inputs; this server takes at most {config.max_inputs} per request", "input")
     if body.dimensions is not None and body.dimensions != encoder.embedding_dim:
         raise APIError(400, f"this model gives {encoder.embedding_dim}-dimensional embeddings only", "dimensions")
-    lengths = [len(ids) + 1 for ids in encoder.tokenizer(texts, add_special_tokens=True)["input_ids"]]  # + EOS
-    for i, (text, n) in enumerate(zip(texts, lengths, strict=True)):
+    for i, text in enumerate(texts):
         if not text.strip():
             raise APIError(400, f"input[{i}] is empty", "input")
-        if n > encoder.max_length and config.on_too_long == "error":
-            raise APIError(400, f"input[{i}] has {n} tokens; the limit is {encoder.max_length}", "input")
-    return lengths
+    inputs = state.embedding_inputs(texts)
+    for i, item in enumerate(inputs):
+        if len(item.ids) > encoder.max_length:  # built for max_length + 1 only when on_too_long is "error"
+            raise APIError(
+                400,
+                f"input[{i}] is over this server's limit of {encoder.max_length} tokens; shorten it "
+                "(or start the server with --on-too-long truncate)",
+                "input",
+            )
+    tokens = sum(len(item.ids) for item in inputs)
+    if tokens > config.max_request_tokens:
+        raise APIError(
+            413,
+            f"the {len(texts)} inputs have {tokens} tokens; this server embeds at most {config.max_request_tokens} "
+            "tokens per request (--max-request-tokens): split the request",
+            "input",
+            "request_too_large",
+        )
+    return body, inputs
 
 
-def _encoded(vectors: np.ndarray, body: EmbeddingRequest) -> list[list[float]] | list[str]:
-    """(N, D) rows as float lists, or as base64 of little-endian float32 (``encoding_format``)."""
-    if body.encoding_format == "base64":
-        return [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
-    return [v.tolist() for v in vectors]
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected: after the body, the only message left to receive."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(work: Awaitable[T], gone: asyncio.Future) -> T:
+    """``await work``, cancelled (and a 499) if the client disconnects first; the batcher then drops the
+    request's chunks not yet run."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # the client has gone, or this handler was cancelled
+            task.cancel()
+    if not task.done():
+        raise APIError(499, "the client closed the connection before its embeddings were ready")
+    return task.result()
+
+
+def _render(state: ServerState, body: EmbeddingRequest, inputs: list[PooledInput], vectors: np.ndarray) -> bytes:
+    """The response body as JSON bytes; ``usage`` counts the tokens embedded (after truncation, with specials)."""
+    if body.encoding_format == "base64":  # little-endian float32
+        encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+    else:
+        encoded = vectors.tolist()
+    used = sum(len(item.ids) for item in inputs)
+    payload = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+        "model": state.config.model_name,
+        "usage": {"prompt_tokens": used, "total_tokens": used},
+    }
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

@@ -1,4 +1,5 @@
-"""``GET /health`` (liveness; the only route that needs no API key) and ``GET /v1/models``."""
+"""``GET /health`` (liveness and the embedding batcher's counters; the only route that needs no API key) and
+``GET /v1/models``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ router = APIRouter()
 @router.get("/health", response_model=None)
 async def health(state: StateDep) -> dict:
     index = state.index
-    return {"status": "ok", "model": state.config.model_name, "index_passages": len(index) if index else None}
+    return {
+        "status": "ok",
+        "model": state.config.model_name,
+        "index_passages": len(index) if index else None,
+        "embeddings": state.batcher.snapshot(),  # chunks, tokens, waiting and cancelled requests
+    }
 
 
 @router.get("/v1/models", response_model=None)

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from unimae.generation import GenerationParams
 from unimae.index import Hit
 from unimae.rag import RAGAnswer
-from unimae.serving.schemas import APIError, RAGRequest, parse_body
+from unimae.serving.schemas import APIError, RAGRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import StateDep
 
@@ -27,7 +27,7 @@ router = APIRouter()
 
 @router.post("/v1/rag", response_model=None)
 async def rag_answer(request: Request, state: StateDep) -> dict | StreamingResponse:
-    body = parse_body(await request.body(), RAGRequest)
+    body = await parse_request(request, RAGRequest)
     if state.rag is None:
         raise APIError(404, "no index is loaded; start the server with --index DIR", code="no_index")
     params = GenerationParams(max_new_tokens=state.token_budget(body.max_tokens, state.config.default_chat_tokens))
