@@ -9,6 +9,8 @@
   unimae's ``eos`` embeddings; causal ``mean`` maps to mean pooling. An adapter whose
   :class:`~unimae.embedding_spec.EmbeddingSpec` the format cannot express (bidirectional attention
   of MNTP, GEM's summary tokens and mask, echo) is refused with a message instead of exported wrongly.
+- ``gguf``: one GGUF file for llama.cpp (``--output FILE.gguf``, ``gguf_type`` f32/f16/bf16/q8_0), pooling
+  ``last``; clients append EOS (see :mod:`unimae.gguf_export`). Only causal last-token (``eos``) adapters.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from unimae.adapter import ADAPTER_META, adapter_meta, embedding_spec, load_with_adapter
+from unimae.adapter import ADAPTER_META, adapter_meta, adapter_revision, embedding_spec, load_with_adapter
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.files import atomic_write_json
 
-FORMATS = ("hf", "sentence-transformers")
+FORMATS = ("hf", "sentence-transformers", "gguf")
 
 
 _CARD_KEYS = ("method", "recipe", "steps", "batch_size", "max_length", "lr", "alpha", "p_mar", "p_mrc", "lora_r")
@@ -84,6 +86,11 @@ def check_exportable(spec: EmbeddingSpec, fmt: str) -> None:
             "(it runs the model with causal attention and last-token or mean pooling); export --format hf and "
             "embed with unimae instead"
         )
+    if fmt == "gguf" and not spec.is_last_token:
+        raise ValueError(
+            f"this adapter embeds with {spec.describe()}, which a GGUF model cannot express (llama.cpp runs "
+            "causal attention and pools the last token); export --format hf and embed with unimae instead"
+        )
 
 
 def append_eos_post_processor(tokenizer) -> None:
@@ -104,10 +111,20 @@ def append_eos_post_processor(tokenizer) -> None:
     )
 
 
-def export(model: str, adapter: str | None, output: str | Path, fmt: str = "hf", max_length: int = 512) -> Path:
-    """Write the export to ``output``; return its path. Refuses a spec ``fmt`` cannot express."""
+def export(
+    model: str,
+    adapter: str | None,
+    output: str | Path,
+    fmt: str = "hf",
+    max_length: int = 512,
+    gguf_type: str = "f16",
+) -> Path:
+    """Write the export to ``output`` (a directory; a ``.gguf`` file for ``gguf``); return its path.
+    Refuses a spec ``fmt`` cannot express."""
     spec = embedding_spec(adapter)
     check_exportable(spec, fmt)
+    if fmt == "gguf":
+        return _save_gguf(model, adapter, Path(output), spec, gguf_type)
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --output directory")
@@ -137,3 +154,17 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode=mode)
     SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine").save(str(out))
     shutil.rmtree(transformer_dir)
+
+
+def _save_gguf(model: str, adapter: str | None, out: Path, spec: EmbeddingSpec, gguf_type: str) -> Path:
+    from unimae.gguf_export import GGUF_TYPES, source_gguf, write_gguf
+
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of {GGUF_TYPES}")
+    if out.suffix != ".gguf":
+        raise ValueError(f"--output {out} must be a file name ending in .gguf for --format gguf")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new --output file")
+    merged, tokenizer = merged_model(model, adapter)
+    extra = {"base_model": model, "adapter_revision": adapter_revision(adapter)}
+    return write_gguf(merged, tokenizer, out, gguf_type, spec=spec, source=source_gguf(model), extra=extra)

@@ -1,4 +1,8 @@
-"""``unimae serve``: the OpenAI-compatible server (embeddings, completions, chat; RAG with --index)."""
+"""``unimae serve``: the OpenAI-compatible server (embeddings, completions, chat; RAG with --index).
+
+``--engine torch`` (default) runs the model in PyTorch; ``--engine llama.cpp --gguf FILE`` serves a GGUF written
+by ``unimae export --format gguf`` from one llama.cpp model (:mod:`unimae.serving.llamacpp_engine`).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         sub, "serve", "OpenAI-compatible server: embeddings, completions, chat (+ RAG with --index).", _serve
     )
     add_model_arguments(parser, from_index=True)
+    parser.add_argument(
+        "--engine",
+        default="torch",
+        choices=("torch", "llama.cpp"),
+        help="torch: the model in PyTorch; llama.cpp: an exported GGUF (--gguf) in llama.cpp (pip install xllamacpp).",
+    )
+    parser.add_argument("--gguf", help="llama.cpp engine: the file written by `unimae export --format gguf`.")
+    parser.add_argument(
+        "--threads", type=int, help="llama.cpp engine: CPU threads (default: all cores; fewer on a shared machine)."
+    )
+    parser.add_argument("--slots", type=int, default=4, help="llama.cpp engine: requests decoded together.")
     parser.add_argument("--index", help="Also serve POST /v1/rag over this index (its model and adapter).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
@@ -40,21 +55,44 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from unimae.serving.app import create_app
-
-    encoder, index, model = _load_encoder(args)
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     values["api_key"] = resolve_api_key(args.api_key, args.api_key_file)
-    if values["model_name"] == ServerConfig.model_name:  # not given: name it after the model
-        values["model_name"] = Path(model).name if Path(model).exists() else model
-    config = ServerConfig(**values)
+    if args.engine == "llama.cpp":
+        app, config = _llamacpp_app(args, values)
+    else:
+        from unimae.serving.app import create_app
+
+        encoder, index, model = _load_encoder(args)
+        if values["model_name"] == ServerConfig.model_name:  # not given: name it after the model
+            values["model_name"] = Path(model).name if Path(model).exists() else model
+        config = ServerConfig(**values)
+        app = create_app(encoder, config, index)
     _warn_if_exposed(args.host, config.api_key is not None)
-    app = create_app(encoder, config, index)
     print(
         f"unimae serving {config.model_name} on http://{args.host}:{args.port} (Ctrl-C stops after in-flight requests)"
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0
+
+
+def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
+    """(app, config) of the llama.cpp engine serving ``--gguf`` (and ``--index``, built from the same adapter)."""
+    from unimae.serving.llamacpp_engine import LlamaCppModel, create_llamacpp_app
+
+    if not args.gguf:
+        raise ValueError("--engine llama.cpp serves --gguf FILE; write one with `unimae export --format gguf`")
+    if args.model or args.adapter or args.merge:
+        raise ValueError("--model, --adapter and --merge are for --engine torch; the GGUF already holds the merge")
+    index = None
+    if args.index:
+        from unimae.index import VectorIndex
+
+        index = VectorIndex.load(args.index)
+    model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots)
+    if values["model_name"] == ServerConfig.model_name:
+        values["model_name"] = model.name
+    config = ServerConfig(**values)
+    return create_llamacpp_app(model, config, index), config
 
 
 def _load_encoder(args: argparse.Namespace) -> tuple:

