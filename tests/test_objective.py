@@ -78,3 +78,20 @@ def test_train_mask_token_trains_only_that_embedding_row(tiny_model_dirs, tmp_pa
     after = trained.get_input_embeddings().weight.detach()
     changed = (after != before).any(1).nonzero().flatten().tolist()
     assert changed == [mask_id]
+
+
+def test_clean_mrc_input_equals_corrupted_when_nothing_is_masked(tiny_model_dirs):
+    """mrc_input='clean' only moves h_eos to a pass over the uncorrupted text; at p_mar = 0 the two agree."""
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    _, mask_id = choose_mask_token(tokenizer, "auto")
+    rows = encode_with_eos(tokenizer, SENTENCES[:3], 24)
+    clean = UniMAECollator(tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id, 0.0, 0.5, seed=0)(rows, [0, 1, 2])
+    noisy = UniMAECollator(tokenizer.pad_token_id, mask_id, tokenizer.bos_token_id, 0.6, 0.5, seed=0)(rows, [0, 1, 2])
+    losses = {}
+    for name, batch in (("p0", clean), ("p06", noisy)):
+        for mode in ("corrupted", "clean"):
+            torch.manual_seed(0)
+            losses[name, mode] = UniMAEObjective(model, 0.1, 24, mrc_input=mode)(batch)
+    torch.testing.assert_close(losses["p0", "clean"]["loss"], losses["p0", "corrupted"]["loss"])
+    assert losses["p06", "clean"]["mar"] == losses["p06", "corrupted"]["mar"], "MAR always sees the corrupted text"
+    assert losses["p06", "clean"]["mrc"] != losses["p06", "corrupted"]["mrc"]

@@ -121,7 +121,7 @@ class GEMOptions:
         metadata={
             "help": "gem [open]: initial input-embedding rows of new summary tokens: 'mean' (mean of the "
             "vocabulary's rows; with a tied head their logit starts at the average token's) or 'eos' (a copy of "
-            "EOS's row, so the untrained summary state is h_eos).",
+            "EOS's row, so the untrained summary state is h_eos; with a tied head their logit starts at EOS's).",
             "choices": ("mean", "eos"),
         },
     )
@@ -265,6 +265,12 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
     mrc_heads: int = field(default=0, metadata={"help": "Tiny decoder attention heads (0: the LLM's)."})
     mrc_intermediate_size: int = field(default=0, metadata={"help": "Tiny decoder MLP width (0: the LLM's)."})
+    mrc_input: str = choice_field(
+        "corrupted",
+        ("corrupted", "clean"),
+        "Text h_eos is computed from for MRC: 'corrupted' (Eq. 2: the one MAR pass) or 'clean' (a second pass over "
+        "the uncorrupted text; a diagnostic for the train/inference mismatch, about 1.6x the step time).",
+    )
     mrc_positions: str = choice_field(
         "scaled",
         ("scaled", "legacy"),

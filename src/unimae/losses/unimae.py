@@ -2,6 +2,9 @@
 
 The LLM runs once over the MAR-corrupted input; its last-layer states give the MAR logits
 (Eq. 1) and ``h_eos``, the state at the appended EOS (Eq. 2), which feeds the MRC tiny decoder.
+``mrc_input="clean"`` (a diagnostic, not the paper) takes ``h_eos`` from a second pass over the clean
+text instead, to tell apart "MAR corrupts the input" from "h_eos is trained on corrupted text but
+used on clean text".
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from unimae.losses.mar import MARLoss
 from unimae.losses.mrc import MRCLoss, TinyDecoder
 from unimae.losses.objective import Objective
 from unimae.tokenization import last_token_index
+
+# Where h_eos comes from: the MAR-corrupted pass (Eq. 2, one forward) or a second pass over the clean text.
+MRC_INPUTS = ("corrupted", "clean")
 
 
 def decoder_heads(config) -> int:
@@ -38,8 +44,12 @@ class UniMAEObjective(Objective):
         mrc_heads: int = 0,
         mrc_intermediate_size: int = 0,
         mrc_positions: str = "scaled",
+        mrc_input: str = "corrupted",
     ):
         super().__init__(llm)
+        if mrc_input not in MRC_INPUTS:
+            raise ValueError(f"mrc_input must be one of {MRC_INPUTS}, got {mrc_input!r}")
+        self.mrc_input = mrc_input
         config = llm.config
         self.alpha = alpha
         softcap = getattr(config, "final_logit_softcapping", None)
@@ -54,24 +64,20 @@ class UniMAEObjective(Objective):
         )
         self.mrc = MRCLoss(decoder, chunk_size, softcap)
 
+    def _last_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return self.llm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (B, T, D)
+
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        position_ids = torch.arange(batch["input_ids"].shape[1], device=batch["input_ids"].device)[None]
-        hidden = self.llm.get_decoder()(
-            input_ids=batch["corrupted_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state  # (B, T, D) one pass: MAR logits and h_eos
+        mask = batch["attention_mask"]
+        hidden = self._last_hidden(batch["corrupted_ids"], mask)  # (B, T, D) one pass: MAR logits and h_eos
         head = self.llm.get_output_embeddings()
-        mar = self.mar(hidden, batch["input_ids"], batch["attention_mask"], head)
+        mar = self.mar(hidden, batch["input_ids"], mask, head)
+        if self.mrc_input == "clean":  # diagnostic: h_eos of the uncorrupted text, as embedded at inference
+            hidden = self._last_hidden(batch["input_ids"], mask)  # (B, T, D)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        h_eos = hidden[rows, last_token_index(batch["attention_mask"])]  # (B, D) Eq. 2
-        mrc = self.mrc(
-            h_eos,
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["mrc_visible"],
-            self.llm.get_input_embeddings(),
-            head,
-        )
+        h_eos = hidden[rows, last_token_index(mask)]  # (B, D) Eq. 2
+        mrc = self.mrc(h_eos, batch["input_ids"], mask, batch["mrc_visible"], self.llm.get_input_embeddings(), head)
         return {"loss": self.alpha * mar + mrc, "mar": mar.detach(), "mrc": mrc.detach()}

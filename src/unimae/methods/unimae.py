@@ -37,7 +37,14 @@ class UniMAE(Method):
 
         c = self.config
         return UniMAEObjective(
-            llm, c.alpha, c.max_length, c.ce_chunk_size, c.mrc_heads, c.mrc_intermediate_size, c.mrc_positions
+            llm,
+            c.alpha,
+            c.max_length,
+            c.ce_chunk_size,
+            c.mrc_heads,
+            c.mrc_intermediate_size,
+            c.mrc_positions,
+            c.mrc_input,
         )
 
     def collate(self, texts, indices):
