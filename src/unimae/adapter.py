@@ -4,7 +4,9 @@ An adapter directory is a plain PEFT adapter (``adapter_config.json`` + ``adapte
 plus ``unimae.json``: the base model's fingerprint, the :class:`EmbeddingSpec` it was trained for
 (key ``embedding``) and the resolved training config. Loading an adapter onto a different base model
 fails with a message saying which one it needs; a damaged adapter file fails with a message naming it.
-:func:`load_with_adapter` is the one way to get "base model + adapter (+ merged)".
+:func:`load_with_adapter` is the one way to get "base model + adapter (+ merged)". An adapter that trains
+token rows the base lacks (GEM's new summary tokens, peft ``trainable_token_indices``) gets the base grown to
+them after the fingerprint check (which reads the unresized base), and its own tokenizer.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
             f"{directory} is not an adapter directory (no adapter_config.json); pass the 'adapter' folder "
             "written by `unimae train`"
         )
-    read_json(directory / "adapter_config.json", "adapter config")  # a clear error before peft parses it
+    config = read_json(directory / "adapter_config.json", "adapter config")  # a clear error before peft parses it
     meta = adapter_meta(directory)
     expected = meta.get("base_fingerprint")
     if expected and expected != base_fingerprint(model):
@@ -80,6 +82,11 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
     if meta.get("init_adapter"):  # stage 2 trained on base + stage 1: merge stage 1 in fp32 first
         dtype = next(model.parameters()).dtype
         model = attach_adapter(model.float(), directory / meta["init_adapter"]).merge_and_unload().to(dtype)
+    rows = trained_token_rows(config)
+    if rows:  # rows of tokens the training added (GEM's summary tokens): grow the base as training did
+        from unimae.models import grow_vocabulary
+
+        grow_vocabulary(model, max(rows) + 1)
     try:
         with quiet_peft():
             return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
@@ -101,15 +108,28 @@ def load_with_adapter(model: str, adapter: str | Path | None, dtype: torch.dtype
     Merging happens in float32 (exact) and the merged weights are then cast to ``dtype``; unmerged, the
     base is loaded in ``dtype`` and the LoRA weights stay float32 beside it, as in training.
     """
-    from unimae.models import load_model
+    from unimae.models import load_model, load_tokenizer
 
     merge = merge and adapter is not None
     llm, tokenizer, path = load_model(model, dtype=torch.float32 if merge else dtype)
     if adapter is not None:
         llm = attach_adapter(llm, adapter)
+        rows = trained_token_rows(read_json(Path(adapter) / "adapter_config.json", "adapter config"))
+        if rows and max(rows) >= len(tokenizer) and (Path(adapter) / "tokenizer_config.json").is_file():
+            tokenizer = load_tokenizer(adapter)  # the base's tokenizer plus the tokens the adapter added
     if merge:
         llm = llm.merge_and_unload().to(dtype)
     return llm, tokenizer, path
+
+
+def trained_token_rows(adapter_config: dict) -> list[int]:
+    """Token ids whose embedding rows an adapter trains (peft ``trainable_token_indices``, a list or
+    ``{module: ids}``; GEM's summary tokens), from its parsed ``adapter_config.json``; [] for most adapters."""
+    indices = adapter_config.get("trainable_token_indices") if isinstance(adapter_config, dict) else None
+    indices = indices or []
+    if isinstance(indices, dict):
+        indices = [i for ids in indices.values() for i in ids]
+    return [int(i) for i in indices]
 
 
 def adapter_revision(adapter: str | None) -> str:

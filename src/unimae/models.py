@@ -202,6 +202,27 @@ def load_tokenizer(path: Path | str):
     return tokenizer
 
 
+def grow_vocabulary(model, size: int):
+    """Give ``model`` at least ``size`` token rows (new tokens such as GEM's summary tokens); returns it.
+
+    Grown rows of the input embedding and of an untied output head are set to the mean of that matrix's
+    existing rows, deterministically (transformers' own ``mean_resizing`` samples them), so training and
+    every later load of the adapter build the same matrices. A model with ``size`` rows or more is unchanged.
+    """
+    rows = model.get_input_embeddings().weight.shape[0]
+    if size <= rows:
+        return model
+    model.resize_token_embeddings(size, mean_resizing=False)
+    matrices = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m}
+    with torch.no_grad():
+        for weight in matrices.values():  # one matrix when the head is tied
+            weight[rows:] = weight[:rows].float().mean(0).to(weight.dtype)  # (size - rows, D)
+        bias = getattr(model.get_output_embeddings(), "bias", None)
+        if bias is not None:
+            bias[rows:] = bias[:rows].float().mean().to(bias.dtype)
+    return model
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, _retried: bool = False):
     """Load (model, tokenizer, resolved_path) for any accepted ``--model`` form."""
     from transformers import AutoModelForCausalLM

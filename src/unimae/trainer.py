@@ -169,7 +169,6 @@ def _restore(state: dict, out: Path, objective: torch.nn.Module, fingerprint: st
 def _setup(config: TrainConfig, state: dict | None) -> _Run:
     """Load the model, build the method's objective and the optimizer, restore ``state`` if resuming."""
     from accelerate import Accelerator
-    from transformers import get_constant_schedule
 
     # Without a GPU, cpu=True lets accelerate see torchrun's WORLD_SIZE and use gloo (MULTI_CPU).
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -195,7 +194,8 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         _restore(state, Path(config.output_dir), objective, fingerprint)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = get_constant_schedule(optimizer)  # paper App. C: constant learning rate
+    # --lr x the method's multiplier per step (constant 1.0 by default, paper App. C; GEM: its two phases)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, method.lr_lambda)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -210,7 +210,7 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         "grad_accum_steps": accum,
         "resolved_precision": precision,
     }
-    order = DataOrder(len(examples), config.seed)
+    order = method.example_order(len(examples), config.seed)  # DataOrder unless the method groups batches
     return _Run(
         config,
         accelerator,
@@ -306,7 +306,10 @@ def _save_adapter(run: _Run, step: int) -> Path:
     adapter_dir = out / ("model" if config.full_params else "adapter")
     if not run.main:
         return adapter_dir
-    run.accelerator.unwrap_model(run.objective).llm.save_pretrained(adapter_dir)
+    llm = run.accelerator.unwrap_model(run.objective).llm
+    # Trained token rows (GEM's summary tokens, --train-mask-token) are saved as peft trainable-token deltas;
+    # the whole embedding matrices are not (every load grows the base the same way: unimae.adapter).
+    llm.save_pretrained(adapter_dir, **({} if config.full_params else {"save_embedding_layers": False}))
     run.tokenizer.save_pretrained(adapter_dir)
     if config.init_adapter and not config.full_params:
         shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)

@@ -1,15 +1,20 @@
-"""GEM (arXiv:2506.04344): summary tokens inserted into text + an attention mask that forces them to summarize.
+"""GEM (arXiv:2506.04344; METHOD.md section 2): summary tokens + an attention mask that forces them to summarize.
 
-Training rows (``unimae.methods``): 80% plain text, 20% with the summary tokens inserted at a random
-position under the ``gem`` attention rule, where text after the summary tokens cannot see the text
-before them (so the prefix must pass through the summary states) and summary tokens cannot see each
-other. ``L = (1 - a) L_NTP + a L_contrastive`` with ``a`` = 0 for the first ``switch_step`` steps, 1 after.
-``L_NTP``: next-token CE on text tokens (summary tokens are never targets). ``L_contrastive``: SimCSE
-InfoNCE between two dropout views of the summary embedding of each text (summary tokens appended at
-the end, as at inference); this self-supervised pairing is our reading of the abstract.
+``L = (1 - a) L_NTP + a L_contrastive``, ``a`` = 0 for the first ``switch_step`` steps, 1 after.
+
+- ``L_NTP``: next-token cross-entropy on rows of which some carry the summary block (``unimae.methods.gem``),
+  under the ``gem`` attention rule: text after the block cannot see the text before it (so the prefix reaches
+  the suffix only through the summary states) and summary tokens cannot see each other. Every token except
+  the summary tokens is a target, the suffix included.
+- ``L_contrastive``: InfoNCE over cosine similarities of summary embeddings (mean of the summary tokens'
+  last-layer states, the block appended at the end as at inference), anchor i against the B positives, with
+  a learnable logit scale ``s``: ``logits = s * cos(a_i, c_j)``, ``s = exp(log_scale)`` starting at
+  ``1 / temperature`` (20) and clamped to at most ``max_logit_scale`` (100), as CLIP (Radford et al. 2021).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -23,16 +28,40 @@ from unimae.tokenization import position_ids_from_mask
 
 
 class GEMObjective(Objective):
-    """forward(batch) -> {"loss", and "ntp" or "contrastive"}; the trainer sets the step (``set_step``)."""
+    """forward(batch) -> {"loss", and "ntp" or "contrastive" + "logit_scale"}; the trainer sets the step.
 
-    def __init__(self, llm: nn.Module, switch_step: int = 100, temperature: float = 0.05, chunk_size: int = 1024):
+    Batch (``GEM.collate``): ``input_ids``, ``attention_mask``, ``summary`` (B, T) for NTP; ``view_ids``,
+    ``view_mask``, ``view_pool`` (2B, T') for the contrastive term: rows 0..B-1 anchors, B..2B-1 their positives.
+    ``log_scale`` (a parameter, the log of the logit scale, as CLIP) is trained when ``learn_logit_scale``;
+    being trainable, it is in the trainer's checkpoints.
+    """
+
+    def __init__(
+        self,
+        llm: nn.Module,
+        switch_step: int = 100,
+        temperature: float = 0.05,
+        chunk_size: int = 1024,
+        learn_logit_scale: bool = True,
+        max_logit_scale: float = 100.0,
+    ):
         super().__init__(llm)
-        self.switch_step, self.temperature = switch_step, temperature
+        self.switch_step = switch_step
+        self.max_log_scale = math.log(max_logit_scale)
+        initial = torch.tensor(math.log(1.0 / temperature), dtype=torch.float32)
+        self.log_scale = nn.Parameter(initial, requires_grad=learn_logit_scale)
         self.ntp = MARLoss(chunk_size, getattr(llm.config, "final_logit_softcapping", None))
         self.step = 0
 
     def set_step(self, step: int) -> None:
         self.step = step
+
+    def logit_scale(self) -> torch.Tensor:
+        """exp(log_scale) after clamping the parameter itself to ``max_logit_scale`` (CLIP clamps it after each
+        step; here before each use, so a value pushed past the cap can come back)."""
+        with torch.no_grad():
+            self.log_scale.clamp_(max=self.max_log_scale)
+        return self.log_scale.exp()
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         if self.step < self.switch_step:  # a = 0: generation keeps training, summary tokens learn to carry the prefix
@@ -43,11 +72,13 @@ class GEMObjective(Objective):
                 position_ids=position_ids_from_mask(batch["attention_mask"]),
                 use_cache=False,
             ).last_hidden_state  # (B, T, D)
-            head = self.llm.get_output_embeddings()
+            head = self.llm.get_output_embeddings()  # a tied head: with the trained summary rows (MARLoss)
             loss = self.ntp(hidden, batch["input_ids"], batch["attention_mask"], head, ~batch["summary"])
+            if self.log_scale.requires_grad:  # DDP wants every trainable parameter in the graph; gradient 0
+                loss = loss + 0.0 * self.log_scale
             return {"loss": loss, "ntp": loss.detach()}
-        ids, mask, pool_mask = (torch.cat([batch[k], batch[k]]) for k in ("view_ids", "view_mask", "view_pool"))
-        z = pooled_forward(self.llm, ids, mask, pool_mask, "gem")  # (2B, D) two dropout views
+        z = pooled_forward(self.llm, batch["view_ids"], batch["view_mask"], batch["view_pool"], "gem")  # (2B, D)
         half = z.shape[0] // 2
-        loss = info_nce(z[:half], z[half:], self.temperature)
-        return {"loss": loss, "contrastive": loss.detach()}
+        scale = self.logit_scale()
+        loss = info_nce(z[:half], z[half:], 1.0 / scale)  # logits = scale * cos
+        return {"loss": loss, "contrastive": loss.detach(), "logit_scale": scale.detach()}

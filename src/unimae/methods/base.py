@@ -4,7 +4,9 @@ A :class:`Method` is built once per run from the resolved config and a :class:`C
 in this order: ``load_data()`` (the examples), ``lora_dropout`` / ``attention_dropout`` (while building the
 LoRA model), ``prepare_model(model)`` and ``lora_extra()`` (the base model before LoRA, extra LoRA
 fields), ``build_objective(llm)`` (the :class:`~unimae.losses.objective.Objective` nn.Module to
-optimize), ``collate(examples, indices)`` per micro-batch (a :class:`~unimae.batch.Batch`; randomness must
+optimize), ``lr_lambda(step)`` (the learning-rate multiplier of each step),
+``example_order(num_examples, seed)`` (which example fills each global batch position),
+``collate(examples, indices)`` per micro-batch (a :class:`~unimae.batch.Batch`; randomness must
 come from ``(seed, example index)`` so resume and any process split reproduce it), and at the end
 ``embedding_spec()`` (written into the adapter's ``unimae.json``). Add a method by subclassing and
 decorating it with :func:`unimae.methods.register_method`.
@@ -49,6 +51,15 @@ class Method:
         """The training examples (texts by default; ``collate`` receives a slice of them)."""
         return load_texts(self.config.data)
 
+    def example_order(self, num_examples: int, seed: int):
+        """Which example fills each global example index: an object whose ``text_index(i)`` is an index into
+        ``load_data()``'s list, a pure function of (seed, i) so resume and any process split reproduce it
+        (global batch k holds indices ``k*batch_size ..``). Default: the trainer's ``DataOrder``, every epoch
+        a fresh permutation of all examples; ``contrastive`` draws each batch from one source."""
+        from unimae.trainer import DataOrder  # imported here: the trainer imports the methods
+
+        return DataOrder(num_examples, seed)
+
     @property
     def lora_dropout(self) -> float:
         return self.config.lora_dropout
@@ -65,6 +76,11 @@ class Method:
     def lora_extra(self) -> dict:
         """Extra ``peft.LoraConfig`` fields (e.g. ``trainable_token_indices``); none by default."""
         return {}
+
+    def lr_lambda(self, step: int) -> float:
+        """Multiplier of ``--lr`` at 0-based optimizer step ``step`` (the trainer's ``LambdaLR``); a pure
+        function of the step, so resume reproduces it. Default 1.0: constant (UniMAE paper App. C)."""
+        return 1.0
 
     def build_objective(self, llm: torch.nn.Module) -> Objective:
         raise NotImplementedError

@@ -1,60 +1,94 @@
 """``--method contrastive``: supervised InfoNCE on (query, positive[, negative]) pairs (UniMAE App. D).
 
-In-batch negatives plus the hard negatives of the batch. Trains (and embeds with) the ``--init-adapter``'s
-spec, as SimCSE does.
+In-batch negatives plus the hard negatives of the batch, without the batch's known false negatives
+(``--mask-false-negatives``); ``--symmetric-loss`` adds the positive -> queries direction. ``--data`` takes
+several files (or a mixture file) with ``--data-weights``; every global batch is drawn from one source
+(:mod:`unimae.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
+so large batches fit in memory. Trains (and embeds with) the ``--init-adapter``'s spec, as SimCSE does:
+causal attention and the [EOS] state after UniMAE, so generation and KV reuse are unchanged.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
+from typing import TYPE_CHECKING
 
-from unimae.corpus import CorpusError, jsonl_records
+import torch
+
 from unimae.embedding_spec import EmbeddingSpec
-from unimae.methods.base import Method, pooled_batch
+from unimae.methods.base import Context, Method, pooled_batch
 from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling
+from unimae.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
+
+if TYPE_CHECKING:
+    from unimae.config import TrainConfig
+
+__all__ = ["Contrastive", "load_pairs"]
+
+logger = logging.getLogger(__name__)
 
 
-def load_pairs(path: str) -> list[dict]:
-    """(query, positive[, negative]) records of a JSONL file; a clear error names a bad line."""
-    file = Path(path)
-    if file.suffix != ".jsonl" or not file.is_file():
-        raise CorpusError(
-            f"--method contrastive needs --data FILE.jsonl with query, positive and optional negative fields; "
-            f"{path!r} is not such a file (recipes/make_pairs.py builds one from STSBenchmark train)"
-        )
-    records = []
-    for number, record in jsonl_records(file, "query"):  # UTF-8, JSON and a string query, per line
-        missing = [k for k in ("query", "positive") if not isinstance(record.get(k), str) or not record[k].strip()]
-        if missing:
-            raise CorpusError(f"{file}, line {number}: missing or empty field(s) {missing}")
-        if "negative" in record and not isinstance(record["negative"], str):
-            raise CorpusError(f"{file}, line {number}: 'negative' must be a string")
-        records.append(record)
-    if len(records) < 2:
-        raise CorpusError(f"{file}: needs at least 2 pairs for in-batch negatives, found {len(records)}")
-    return records
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @register_method
 class Contrastive(Method):
-    """Batches: rows = B queries, B positives, then the hard negatives; ``num_queries`` = B."""
+    """Batches: rows = B queries, B positives, then the hard negatives; ``num_queries`` = B;
+    ``false_negatives`` (B, B + K) bool when ``--mask-false-negatives``."""
 
     name = "contrastive"
 
+    def __init__(self, config: TrainConfig, ctx: Context):
+        super().__init__(config, ctx)
+        self.mixture: Mixture | None = None
+        chunk = config.grad_cache_chunk
+        if chunk < 0:
+            raise ValueError(f"--grad-cache-chunk must be >= 0 (0 = off), got {chunk}")
+        if chunk and config.micro_batch_size != config.batch_size:
+            raise ValueError(
+                f"--grad-cache-chunk needs --micro-batch-size equal to --batch-size ({config.batch_size}, got "
+                f"{config.micro_batch_size}): the gradient cache is what splits the batch, and in-batch negatives "
+                "must span the whole batch"
+            )
+        if chunk and _world_size() > 1:
+            raise ValueError(
+                "--grad-cache-chunk runs on one process: split over processes, each would see only its shard's "
+                "negatives and run several backward passes per step under DDP; drop the launcher (use --threads) "
+                "or set --grad-cache-chunk 0"
+            )
+
     def load_data(self) -> list[dict]:
-        return load_pairs(self.config.data)
+        self.mixture = load_mixture(self.config.data, self.config.data_weights, self.config.batch_size)
+        logger.info("contrastive pairs: %s", self.mixture.describe())
+        return self.mixture.pairs
+
+    def example_order(self, num_examples: int, seed: int) -> SourceBatchOrder:
+        """One source per global batch (needs ``load_data`` first)."""
+        if self.mixture is None or len(self.mixture.pairs) != num_examples:
+            raise RuntimeError("Contrastive.example_order needs the pairs of load_data()")
+        return self.mixture.order(self.config.batch_size, seed)
 
     def build_objective(self, llm):
-        from unimae.losses.simcse import ContrastiveObjective
+        from unimae.losses.simcse import ContrastiveObjective, GradCacheContrastiveObjective
 
-        return ContrastiveObjective(llm, self.config.temperature, self.embedding_spec().attention)
+        c = self.config
+        args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
+        if c.grad_cache_chunk:
+            return GradCacheContrastiveObjective(*args, chunk_size=c.grad_cache_chunk)
+        return ContrastiveObjective(*args)
 
     def collate(self, records, indices):
         texts = [r["query"] for r in records] + [r["positive"] for r in records]
         texts += [r["negative"] for r in records if r.get("negative")]
-        spec = self.embedding_spec()
-        return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, spec, num_queries=len(records))
+        extra = {"num_queries": len(records)}
+        if self.config.mask_false_negatives:
+            rows, negatives = pair_groups(list(records))
+            groups, candidates = torch.tensor(rows), torch.tensor(rows + negatives)
+            extra["false_negatives"] = groups[:, None] == candidates[None, :]  # (B, B + K); diagonal kept by info_nce
+        return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, self.embedding_spec(), **extra)
 
     def embedding_spec(self) -> EmbeddingSpec:
         return init_spec_with_pooling(self.config, self.ctx)

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One model for RAG: UniMAE -> UniMAE+SimCSE -> supervised contrastive on the [EOS] embedding (the UniMAE
+# paper's App. D stage), causal attention throughout, so the adapter still generates and reuses the KV cache.
+# Then the dev suite and the one-model RAG benchmark.
+#   MODEL=smollm2-135m bash recipes/retrieval.sh
+# Training wall time on 2 idle CPU cores for SmolLM2-135M: about 2.3 h (UniMAE 100 steps ~14 min and SimCSE
+# 60 steps ~10 min, as measured for docs/results.md; supervised 100 steps of batch 256 ~1.8 h, estimated at
+# ~66 s/step: 19.7k tokens per step on average at ~300 tokens/s). Evaluation after it: about 45 min (dev
+# suite, SciFact most of it; MiniLM reference) + a few minutes (RAG). See docs/methods.md, "Supervised
+# contrastive".
+# Every stage resumes: a finished stage (its adapter exists) is skipped, an interrupted one continues from
+# its newest checkpoint (rerun the script), finished evaluation tasks are skipped.
+# The UniMAE and SimCSE stages are the runs of recipes/table1.sh (same RUNS folder and names): shared.
+# Environment: RUNS, OUT, PAIRS (folder for the wiki pairs built here; outside the repository),
+# SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (100), SUP_BATCH (256), SUP_CHUNK
+# (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
+# SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), WIKI (1: add inverse-cloze
+# pairs from pretrain/; 0: only the 8 files of train/), TASKS (dev suite by default; "" skips evaluation),
+# RAG_QUESTIONS (20; 0 skips the RAG benchmark).
+set -euo pipefail
+MODEL=${MODEL:-smollm2-135m}
+DATA=${UNIMAE_DATA:-../shared/data}
+RUNS=${RUNS:-runs/$MODEL}
+OUT=${OUT:-results/retrieval-$MODEL}
+PAIRS=${PAIRS:-../data-pairs}
+UNIMAE=${UNIMAE:-.venv/bin/unimae}
+PYTHON=${PYTHON:-.venv/bin/python}
+SIMCSE_STEPS=${SIMCSE_STEPS:-60}
+SUP_STEPS=${SUP_STEPS:-100}
+SUP_BATCH=${SUP_BATCH:-256}
+SUP_CHUNK=${SUP_CHUNK:-32}
+SUP_MAX_LENGTH=${SUP_MAX_LENGTH:-128}
+SUP_WEIGHTS=${SUP_WEIGHTS:-sqrt}
+SUP_FLAGS=${SUP_FLAGS:-}
+WIKI=${WIKI:-1}
+TASKS=${TASKS-dev}
+RAG_QUESTIONS=${RAG_QUESTIONS:-20}
+
+train() {  # name, then train flags; resumes an interrupted run
+  local name=$1; shift
+  if [ -f "$RUNS/$name/adapter/adapter_config.json" ]; then return; fi
+  if [ -d "$RUNS/$name/checkpoints" ] && [ -n "$(ls -A "$RUNS/$name/checkpoints")" ]; then
+    $UNIMAE train --resume --output-dir "$RUNS/$name"
+  else
+    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" "$@"
+  fi
+}
+
+# Supervised pairs: the 8 files of train/ (none from the dev-suite tasks; not STSBenchmark train, which leaks
+# into the STS tasks), plus inverse-cloze pairs from pretrain/ without the enwiki-gensim articles.
+files=$(printf '%s,' "$DATA"/train/*.jsonl)
+files=${files%,}
+if [ "$WIKI" = 1 ]; then
+  if [ ! -f "$PAIRS/wiki_ict.jsonl" ]; then
+    $PYTHON recipes/make_pairs_wiki.py --pretrain "$DATA/pretrain/wikipedia_paragraphs.jsonl" \
+      --output "$PAIRS/wiki_ict.jsonl"
+  fi
+  files="$files,$PAIRS/wiki_ict.jsonl"
+fi
+
+train unimae --method unimae
+init=$RUNS/unimae/adapter
+sup=unimae-sup
+if [ "$SIMCSE_STEPS" -gt 0 ]; then
+  train unimae-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$init"
+  init=$RUNS/unimae-simcse/adapter
+  sup=unimae-simcse-sup
+fi
+# One batch of SUP_BATCH pairs per step, drawn from one source; the gradient cache embeds it in chunks of
+# SUP_CHUNK texts, so the micro-batch is the whole batch (in-batch negatives span all of it).
+# shellcheck disable=SC2086  # SUP_FLAGS is a word list on purpose
+train "$sup" --method contrastive --init-adapter "$init" --data "$files" --data-weights "$SUP_WEIGHTS" \
+  --steps "$SUP_STEPS" --batch-size "$SUP_BATCH" --micro-batch-size "$SUP_BATCH" --grad-cache-chunk "$SUP_CHUNK" \
+  --max-length "$SUP_MAX_LENGTH" --save-every 5 $SUP_FLAGS
+
+if [ -n "$TASKS" ]; then
+  # shellcheck disable=SC2086  # TASKS is a word list on purpose
+  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/$sup/adapter" --tasks $TASKS --data-dir "$DATA" \
+    --output-dir "$OUT" --label "$sup-eos"
+  # shellcheck disable=SC2086
+  $UNIMAE evaluate embeddings --model "$MODEL" --reference --tasks $TASKS --data-dir "$DATA" --output-dir "$OUT"
+  # shellcheck disable=SC2086
+  $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name retrieval --labels "$sup-eos" all-MiniLM-L6-v2
+fi
+if [ "$RAG_QUESTIONS" -gt 0 ]; then
+  $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$RUNS/$sup/adapter" --skip-server \
+    --questions "$RAG_QUESTIONS" --output "$OUT/rag-$sup.json"
+fi
