@@ -143,3 +143,22 @@ def smollm2_encoder():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("UNIMAE_CACHE", REAL_CACHE)
         return Encoder.from_pretrained("smollm2-135m", pooling="eos", max_length=128)
+
+
+def tiny_train_config(tiny_dir, data, out, **overrides):
+    """A TrainConfig for a few fast fp32 steps on a tiny model (one batch of 4 texts per step)."""
+    from unimae.config import TrainConfig
+
+    values = dict(
+        model=str(tiny_dir), data=str(data), output_dir=str(out), steps=12, batch_size=4, micro_batch_size=4,
+        max_length=24, save_every=0, precision="fp32", lora_r=8, lora_alpha=16, lr=5e-3, seed=0,
+    )  # fmt: skip
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def read_log(out) -> list[dict]:
+    """The per-step records of a run's log.jsonl."""
+    import json
+
+    return [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SENTENCES
+from conftest import SENTENCES, read_log, tiny_train_config
 
 from unimae import trainer
 from unimae.attention import set_attention_dropout
@@ -56,28 +56,11 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _config(tiny_dir, data, out, **overrides):
-    values = dict(
-        model=str(tiny_dir),
-        data=str(data),
-        output_dir=str(out),
-        method="contrastive",
-        steps=4,
-        batch_size=4,
-        micro_batch_size=4,
-        max_length=24,
-        save_every=0,
-        precision="fp32",
-        lora_r=8,
-        lora_alpha=16,
-        lr=5e-3,
-        seed=0,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return tiny_train_config(tiny_dir, data, out, **{"method": "contrastive", "steps": 4, **overrides})
 
 
 def _log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return read_log(out)
 
 
 # --- the gradient cache ---------------------------------------------------------------------------

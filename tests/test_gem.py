@@ -2,13 +2,12 @@
 the learnable logit scale, the two-phase learning rate, new summary tokens whose rows alone are trained,
 saved and loaded again. The attention mask itself is checked element by element in test_attention.py."""
 
-import json
 import math
 
 import numpy as np
 import pytest
 import torch
-from conftest import SENTENCES
+from conftest import SENTENCES, read_log, tiny_train_config
 from safetensors import safe_open
 
 from unimae.adapter import load_with_adapter, quiet_peft
@@ -26,31 +25,12 @@ def _method(tokenizer, **overrides):
 
 
 def _train_config(tiny_dir, corpus_file, out, **overrides):
-    values = dict(
-        model=str(tiny_dir),
-        data=str(corpus_file),
-        output_dir=str(out),
-        method="gem",
-        steps=4,
-        gem_switch_step=2,
-        batch_size=4,
-        micro_batch_size=4,
-        max_length=24,
-        save_every=0,
-        precision="fp32",
-        lora_r=8,
-        lora_alpha=16,
-        lr=5e-3,
-        gem_contrastive_lr_scale=1.0,
-        num_summary_tokens=2,
-        seed=0,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    gem = dict(method="gem", steps=4, gem_switch_step=2, gem_contrastive_lr_scale=1.0, num_summary_tokens=2)
+    return tiny_train_config(tiny_dir, corpus_file, out, **{**gem, **overrides})
 
 
 def _log(out):
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return read_log(out)
 
 
 def _peft_llm(tiny_dir, method):

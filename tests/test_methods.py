@@ -6,13 +6,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import SENTENCES
+from conftest import SENTENCES, read_log, tiny_train_config
 
 from unimae.adapter import adapter_meta
 from unimae.config import TrainConfig, add_config_arguments
 from unimae.corpus import CorpusError
-from unimae.encoder import Encoder
 from unimae.embedding_spec import EmbeddingSpec
+from unimae.encoder import Encoder
 from unimae.losses.objective import Objective
 from unimae.methods import METHOD_REGISTRY, Context, Method, get_method, load_pairs, summary_tokens
 from unimae.models import load_model
@@ -20,27 +20,11 @@ from unimae.trainer import train
 
 
 def _config(tiny_dir, data, out, **overrides):
-    values = dict(
-        model=str(tiny_dir),
-        data=str(data),
-        output_dir=str(out),
-        steps=12,
-        batch_size=4,
-        micro_batch_size=4,
-        max_length=24,
-        save_every=0,
-        precision="fp32",
-        lora_r=8,
-        lora_alpha=16,
-        lr=5e-3,
-        seed=0,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return tiny_train_config(tiny_dir, data, out, **overrides)
 
 
 def _log(out):
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return read_log(out)
 
 
 @pytest.fixture
