@@ -1,23 +1,24 @@
 """Text generation with the same weights that embed: sampling options, stop strings, streaming, cancel.
 
 One code path serves ``Encoder.generate``, ``unimae ask`` and the server's completions/chat routes:
-``generate_stream`` runs ``model.generate`` in a worker thread and yields text pieces as tokens come,
-then a :class:`GenerationResult`; ``generate_text`` collects it. A prefix ``past_key_values`` (e.g. the
-KV cache of the query's embedding pass, see ``unimae.rag``) is copied and handed to ``generate``, so
-only the uncached tail of the prompt is prefilled.
+``generate_stream`` runs the token loop of :mod:`unimae.decoding` (prefill, then one forward per token)
+in a worker thread and yields text pieces as tokens come, then a :class:`GenerationResult`;
+``generate_text`` collects it. A prefix ``past_key_values`` (e.g. the KV cache of the query's embedding
+pass, see ``unimae.rag``) is copied into the generation's cache, so only the uncached tail of the prompt
+is prefilled.
+
+Greedy output is token-identical to ``model.generate(do_sample=False)`` in fp32 (tests/test_generation.py).
 """
 
 from __future__ import annotations
 
-import copy
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 
-import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
-
-from unimae.precision import autocast
+from unimae.decoding import decode_tokens, eos_token_ids, reusable_prefix
 
 
 @dataclass
@@ -29,45 +30,86 @@ class GenerationParams:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (with temperature > 0)."})
     stop: list[str] = field(default_factory=list, metadata={"help": "Strings that end the generation."})
     seed: int | None = field(default=None, metadata={"help": "Seed for sampling (reproducible outputs)."})
+    ignore_eos: bool = field(
+        default=False, metadata={"help": "Go on after an end-of-sequence token (fixed-length runs, benchmarks)."}
+    )
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    def generate_kwargs(self) -> dict:
-        if self.temperature == 0:
-            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 @dataclass
 class GenerationResult:
-    """What a finished generation produced; ``finish_reason`` is 'stop' or 'length' as in OpenAI."""
+    """What a finished generation produced; ``finish_reason`` is 'stop' or 'length' as in OpenAI.
+
+    ``cached_tokens``: prompt tokens taken from ``past_key_values`` instead of being prefilled.
+    """
 
     text: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    cached_tokens: int = 0
 
 
-class _Cancelled(StoppingCriteria):
-    """Stops ``generate`` at the next token once ``event`` is set (client gone, server shutting down)."""
+class _Detokenizer:
+    """Token ids -> text pieces, as they come: a piece is released once it decodes to whole characters.
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    Decodes a short window (the tokens since the last released piece, with the previous piece as
+    context) rather than the whole completion at each token, as text-generation-inference does.
+    """
 
-    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        return self.flush(final=False)
+
+    def flush(self, final: bool = True) -> str:
+        """The text not released yet; ``final=False`` holds back an incomplete multi-byte character."""
+        before = self._decode(self.tokens[self.prefix : self.read])
+        after = self._decode(self.tokens[self.prefix :])
+        if len(after) <= len(before) or (not final and after.endswith("\ufffd")):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return after[len(before) :]
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """Text up to the earliest stop string, and whether one was found."""
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
     return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+_DONE = object()
+
+
+def _produce(tokens: Iterator[int], queue: SimpleQueue) -> None:
+    """Worker thread: run the token loop, pass each token (then any error, then ``_DONE``) to the consumer."""
+    try:
+        for token in tokens:
+            queue.put(token)
+    except BaseException as err:  # re-raised in the consumer's thread
+        queue.put(err)
+    finally:
+        queue.put(_DONE)
 
 
 def generate_stream(
@@ -81,68 +123,48 @@ def generate_stream(
 ) -> Iterator[str | GenerationResult]:
     """Yield text pieces of the continuation of ``input_ids``, then one :class:`GenerationResult`.
 
-    Stop strings are cut from the text (never streamed); ``past_key_values`` must hold the KV cache of a
-    prefix of ``input_ids`` and is not modified. Setting ``cancel`` ends the generation within a token.
+    The token loop runs in a worker thread of its own, as ``model.generate`` did before it (on a 2-core
+    machine shared with other jobs, with 2 intra-op threads, the same loop ran about 3x slower in the main
+    thread than in a fresh one: OpenMP's barriers wait on descheduled threads). Stop strings are cut from the text
+    (never streamed); ``past_key_values`` must hold the KV cache of a prefix of ``input_ids`` and is not
+    modified. Setting ``cancel`` (from any thread) ends the generation within a token; so does closing
+    this iterator early (it sets ``cancel``).
     """
     if not input_ids:
         raise ValueError("the prompt is empty")
-    device = next(model.parameters()).device
-    ids = torch.tensor([input_ids], device=device)  # (1, T)
     cancel = cancel or threading.Event()
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=params.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        streamer=streamer,
-        stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
-        **params.generate_kwargs(),
-    )
-    if params.stop:
-        kwargs.update(stop_strings=list(params.stop), tokenizer=tokenizer)
-    if past_key_values is not None:
-        kwargs["past_key_values"] = copy.deepcopy(past_key_values)
-    outcome: dict = {}
-
-    def run():
-        try:
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            with torch.inference_mode(), autocast(precision, device):
-                outcome["ids"] = model.generate(**kwargs)
-        except BaseException as err:  # re-raised in the caller's thread below
-            outcome["error"] = err
-            streamer.end()
-
-    worker = threading.Thread(target=run, name="unimae-generate", daemon=True)
+    eos = set() if params.ignore_eos else eos_token_ids(model, tokenizer)
+    cached = reusable_prefix(past_key_values, len(input_ids))
+    queue: SimpleQueue = SimpleQueue()
+    tokens = decode_tokens(model, input_ids, params, eos, precision, past_key_values, cancel)
+    worker = threading.Thread(target=_produce, args=(tokens, queue), name="unimae-generate", daemon=True)
     worker.start()
-    text, sent = "", 0
+    detokenizer = _Detokenizer(tokenizer)
+    hold = max((len(s) - 1 for s in params.stop), default=0)  # a tail that could start a stop string
+    text, sent, stopped, count, last = "", 0, False, 0, None
     try:
-        for piece in streamer:
-            text += piece
+        while (token := queue.get()) is not _DONE and not cancel.is_set():
+            if isinstance(token, BaseException):
+                raise token
+            count, last = count + 1, token
+            text += detokenizer.add(token)
             visible, stopped = _cut_at_stop(text, params.stop)
-            # hold back a tail that could be the start of a stop string
-            hold = 0 if stopped else max((len(s) - 1 for s in params.stop), default=0)
-            safe = len(visible) - hold
+            safe = len(visible) if stopped else len(visible) - hold
             if safe > sent:
                 yield visible[sent:safe]
                 sent = safe
             if stopped:
-                cancel.set()
+                break
     finally:
-        cancel.set()  # a consumer that stopped early (client gone) ends the generation; harmless after it
+        cancel.set()  # a consumer that stopped early (stop string, client gone) ends the loop; harmless after it
         worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    visible, stopped = _cut_at_stop(text, params.stop)
+    if not stopped:
+        text += detokenizer.flush()
+        visible, stopped = _cut_at_stop(text, params.stop)
     if len(visible) > sent:
         yield visible[sent:]
-    new_tokens = outcome["ids"].shape[1] - len(input_ids)
-    eos_ids = tokenizer.eos_token_id if isinstance(tokenizer.eos_token_id, list) else [tokenizer.eos_token_id]
-    ended = new_tokens > 0 and int(outcome["ids"][0, -1]) in eos_ids
-    finish = "stop" if stopped or ended or new_tokens < params.max_new_tokens else "length"
-    yield GenerationResult(visible, len(input_ids), new_tokens, finish)
+    finish = "stop" if stopped or last in eos or count < params.max_new_tokens else "length"
+    yield GenerationResult(visible, len(input_ids), count, finish, cached)
 
 
 def generate_text(model, tokenizer, input_ids: list[int], params: GenerationParams, **kwargs) -> GenerationResult:
