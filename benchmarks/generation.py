@@ -7,8 +7,11 @@ the same length) after a ~120-token prompt:
 - ``decode_tok_s_1``: the same run after its first token: (tokens - 1) / (last - first token time);
 - ``ttft_s``: the same run's time to its first streamed text;
 - ``tok_s_8``: ``--streams`` concurrent requests (different prompts); all their tokens / wall seconds.
-  unimae runs them as today's engine does: one thread per request, each calling ``generate_stream``;
-  llama.cpp runs them in one server with ``--streams`` slots (its continuous batching);
+  unimae runs them as ``unimae serve`` does: one thread per request calling ``generate_stream`` with the
+  in-flight batching scheduler (:class:`unimae.serving.scheduler.GenerationScheduler`, ``--streams`` rows)
+  as its token source, so the streams share one batched decode step; ``--no-batching`` runs them as
+  independent ``decode_tokens`` loops instead (``serve --no-continuous-batching``); llama.cpp runs them
+  in one server with ``--streams`` slots (its continuous batching);
 - ``cpu_ms_per_token``: process CPU seconds per generated token (both engines run in this process and
   llama.cpp's threads idle at zero CPU between requests), steadier than wall time on a shared machine.
 
@@ -85,19 +88,29 @@ class Run:
 
 
 class Unimae:
-    """unimae's ``generate_stream`` on an Encoder's model."""
+    """unimae's ``generate_stream`` on an Encoder's model: one stream through ``decode_tokens`` (as
+    ``Encoder.generate``), concurrent streams through the server's in-flight batching scheduler unless
+    ``batching`` is off."""
 
-    def __init__(self, encoder):
+    def __init__(self, encoder, streams: int, batching: bool = True):
+        from unimae.serving.scheduler import GenerationScheduler
+
         self.encoder = encoder
         self.label = f"unimae ({encoder.precision})"
+        self.scheduler = None
+        if batching:
+            self.scheduler = GenerationScheduler(encoder.model, encoder.precision, max_batch=streams)
+            self.scheduler.start()
 
-    def run(self, ids: list[int], new_tokens: int) -> Run:
+    def run(self, ids: list[int], new_tokens: int, concurrent: bool = False) -> Run:
+        from unimae.decoding import decode_tokens
         from unimae.generation import GenerationParams, GenerationResult, generate_stream
 
         params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
+        decode = self.scheduler.decode if concurrent and self.scheduler is not None else decode_tokens
         start, first, result = time.perf_counter(), None, None
         for item in generate_stream(
-            self.encoder.model, self.encoder.tokenizer, ids, params, precision=self.encoder.precision
+            self.encoder.model, self.encoder.tokenizer, ids, params, precision=self.encoder.precision, decode=decode
         ):
             if isinstance(item, GenerationResult):
                 result = item
@@ -122,7 +135,7 @@ class LlamaCpp:
         self.server = xllamacpp.Server(params)
         self.label, self.gguf, self.gguf_type = f"llama.cpp ({gguf_type})", gguf, gguf_type
 
-    def run(self, ids: list[int], new_tokens: int) -> Run:
+    def run(self, ids: list[int], new_tokens: int, concurrent: bool = False) -> Run:
         body = {
             "prompt": ids,
             "max_tokens": new_tokens,
@@ -168,7 +181,7 @@ def concurrent(engine, prompts: list[list[int]], new_tokens: int) -> dict:
 
     def work(i: int) -> None:
         try:
-            runs[i] = engine.run(prompts[i], new_tokens)
+            runs[i] = engine.run(prompts[i], new_tokens, concurrent=True)
         except BaseException as err:  # reported below, in the main thread
             errors.append(err)
 
@@ -283,6 +296,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument(
+        "--no-batching", action="store_true", help="unimae's concurrent streams as independent loops (no scheduler)."
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_1"], help="llama.cpp GGUF types")
     parser.add_argument("--output", type=Path, default=OUTPUT)
@@ -301,7 +317,8 @@ def main() -> None:
     prompts = [tokenizer(f"{PARAGRAPH} {ENDINGS[i % len(ENDINGS)]}")["input_ids"] for i in range(args.streams)]
     context = max(len(p) for p in prompts) + args.new_tokens + 8
     ggufs = build_ggufs(args.model, args.types)
-    engines = [Unimae(encoder)] + [LlamaCpp(path, t, args.threads, args.streams, context) for t, path in ggufs.items()]
+    engines = [Unimae(encoder, args.streams, not args.no_batching)]
+    engines += [LlamaCpp(path, t, args.threads, args.streams, context) for t, path in ggufs.items()]
     for engine in engines:  # warm-up: first-call allocations, oneDNN weight packing
         engine.run(prompts[0], 4)
     rounds: dict[str, list[dict]] = {engine.label: [] for engine in engines}
@@ -344,6 +361,7 @@ def main() -> None:
             "model": args.model,
             "new_tokens": args.new_tokens,
             "streams": args.streams,
+            "unimae_batching": not args.no_batching,
             "repeats": args.repeats,
             "prompt_tokens": [len(p) for p in prompts],
             "greedy": True,

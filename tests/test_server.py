@@ -289,7 +289,12 @@ def test_more_edge_cases_get_clean_4xx(server):
     assert missing.status_code == 404 and "error" in missing.json()
 
 
-def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize(
+    "one_at_a_time",
+    [{"max_batch_generations": 1}, {"continuous_batching": False, "max_concurrent_generations": 1}],
+    ids=["batched", "threads"],
+)
+def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monkeypatch, one_at_a_time):
     import unimae.serving.routes.completions as completions_module
     from unimae.generation import GenerationResult
     from unimae.serving.app import create_app
@@ -305,7 +310,7 @@ def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monk
     monkeypatch.setattr(completions_module, "generate_stream", blocked)
     monkeypatch.setattr(completions_module, "generate_text", lambda *a, **k: list(blocked())[-1])
     encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
-    app = create_app(encoder, ServerConfig(model_name="tiny", max_concurrent_generations=1, max_queued_generations=1))
+    app = create_app(encoder, ServerConfig(model_name="tiny", max_queued_generations=1, **one_at_a_time))
     slots = app.state.server.slots
 
     async def until(condition):

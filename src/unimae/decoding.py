@@ -12,6 +12,9 @@ each layer. :func:`decode_tokens` keeps what a step needs:
 * for Llama-family models (:data:`LEAN_MODEL_TYPES`) the one-token steps run :class:`LlamaStep`, a flat
   loop over the layers with the same operations on the same modules (bit-identical logits); other
   architectures (Gemma3: sliding windows, extra norms) take the model's forward;
+* a step can advance B independent generations at once (:class:`Decoder`, :class:`DecodeState`), each
+  with its own cache: the server's in-flight batching (:mod:`unimae.serving.scheduler`) runs the
+  projections once over the B rows and attention row by row (see :class:`LlamaStep`);
 * under bf16 autocast on a CPU, linear layers in decode steps run on copies of their weights that
   oneDNN packed once for single-row inputs (q/k/v and gate/up stacked): bit-identical to ``F.linear``
   under autocast and about twice as fast for one row (SmolLM2 shapes). The copies cost about the bf16
@@ -32,6 +35,7 @@ import threading
 import types
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -238,22 +242,29 @@ def _projection(modules: list, packed: bool):
 
 
 class LlamaStep:
-    """The one-token forward of a Llama-family decoder (``LEAN_MODEL_TYPES``), as a flat loop over its layers.
+    """The one-token forward of a Llama-family decoder (``LEAN_MODEL_TYPES``) over B independent sequences,
+    as a flat loop over its layers.
 
     transformers' forward spends much of a 135M model's decode step outside arithmetic (module calls, mask
     and position bookkeeping, attention dispatch). This loop runs the same operations on the same
-    modules, in the same order and dtypes, so its logits equal ``model(...)``'s bit for bit (tests check
-    token identity): the embedding, rotary, norm and activation modules and any LoRA wrapper are called
-    as they are; plain ``nn.Linear`` weights are applied directly (stacked q/k/v and gate/up on a packed
-    step); RoPE is ``q cos + rotate_half(q) sin`` and attention is SDPA over the cached keys with
+    modules, in the same order and dtypes, so at B = 1 its logits equal ``model(...)``'s bit for bit (tests
+    check token identity): the embedding, rotary, norm and activation modules and any LoRA wrapper are
+    called as they are; plain ``nn.Linear`` weights are applied directly (stacked q/k/v and gate/up on a
+    packed step); RoPE is ``q cos + rotate_half(q) sin`` and attention is SDPA over the cached keys with
     grouped-query heads (``enable_gqa``), as transformers' ``sdpa`` attention runs one unmasked query.
+
+    B > 1 (in-flight batching, :mod:`unimae.serving.scheduler`): each row is its own sequence with its own
+    cache of its own length, no padding and no merged cache. Every projection (q/k/v, o, gate/up, down,
+    LoRA included, and the LM head) runs once on the stacked (B, 1, D) rows: a 135M model's step is bound
+    by reading its weights, so B rows cost about what one costs. RoPE takes each row's own position;
+    attention runs row by row over that row's cache. A row's logits equal its B = 1 logits up to the
+    rounding of a B-row matrix product against a one-row one (tests: greedy tokens identical in fp32).
     """
 
-    def __init__(self, model, cache: DynamicCache, packed: bool):
+    def __init__(self, model, packed: bool):
         decoder = model.get_decoder()
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = _projection([model.get_output_embeddings()], packed)
-        self.cache = cache.layers
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -273,9 +284,8 @@ class LlamaStep:
             )
 
     @staticmethod
-    def supports(model, cache: DynamicCache) -> bool:
-        """True for a Llama-family model in eval mode with SDPA attention whose cache layers are all
-        :class:`PreallocatedLayer`."""
+    def supports_model(model) -> bool:
+        """True for a Llama-family model in eval mode with SDPA attention."""
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return (
@@ -283,28 +293,52 @@ class LlamaStep:
             and config.model_type in LEAN_MODEL_TYPES
             and getattr(config, "_attn_implementation", None) == "sdpa"
             and head_dim <= 256
-            and all(type(layer) is PreallocatedLayer for layer in cache.layers)
         )
 
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """token (1, 1) -> next-token logits (1, V); appends this position's keys/values to the cache."""
-        position = torch.tensor([[self.cache[0].length]], device=token.device)  # (1, 1)
-        h = self.embed(token)  # (1, 1, D)
-        cos, sin = self.rotary(h, position)  # (1, 1, hd) each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, 1, hd): broadcast over heads
-        for layer, cache in zip(self.layers, self.cache, strict=True):
+    @staticmethod
+    def supports(model, cache: DynamicCache) -> bool:
+        """:meth:`supports_model`, with a cache whose layers are all :class:`PreallocatedLayer`."""
+        return LlamaStep.supports_model(model) and _preallocated(cache)
+
+    def __call__(self, tokens: torch.Tensor, caches: list[DynamicCache]) -> torch.Tensor:
+        """tokens (B, 1), row b continuing the sequence in ``caches[b]`` -> next-token logits (B, V);
+        appends each row's keys/values to its own cache."""
+        rows = [cache.layers for cache in caches]
+        batch = tokens.shape[0]
+        position = torch.tensor([[layers[0].length] for layers in rows], device=tokens.device)  # (B, 1)
+        h = self.embed(tokens)  # (B, 1, D)
+        cos, sin = self.rotary(h, position)  # (B, 1, hd) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, hd): broadcast over heads
+        for depth, layer in enumerate(self.layers):
             norm1, qkv, out, dim, scale, gqa, norm2, gate_up, down, act = layer
-            q, k, v = (t.view(1, 1, -1, dim).transpose(1, 2) for t in qkv(norm1(h)))  # (1, H or H_kv, 1, hd)
+            q, k, v = (t.view(batch, 1, -1, dim).transpose(1, 2) for t in qkv(norm1(h)))  # (B, H or H_kv, 1, hd)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = cache.update(k, v)  # (1, H_kv, T, hd)
-            a = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False, **gqa
-            )  # (1, H, 1, hd)
-            h = h + out(a.transpose(1, 2).reshape(1, 1, -1))[0]  # (1, 1, D)
+            a = _attend(q, k, v, [layers[depth] for layers in rows], scale, gqa)  # (B, H, 1, hd)
+            h = h + out(a.transpose(1, 2).reshape(batch, 1, -1))[0]  # (B, 1, D)
             gate, up = gate_up(norm2(h))
             h = h + down(act(gate) * up)[0]
-        return self.head(self.norm(h))[0][:, -1]  # (1, V)
+        return self.head(self.norm(h))[0][:, -1]  # (B, V)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list, scale: float, gqa: dict) -> torch.Tensor:
+    """Each row's query over its own cache layer, after appending its new key/value there.
+
+    q (B, H, 1, hd), k / v (B, H_kv, 1, hd) -> (B, H, 1, hd); row b attends over ``caches[b]`` only.
+    """
+    parts = []
+    for row, cache in enumerate(caches):
+        keys, values = cache.update(k[row : row + 1], v[row : row + 1])  # (1, H_kv, T_row, hd)
+        parts.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[row : row + 1], keys, values, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False, **gqa
+            )  # (1, H, 1, hd)
+        )
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _preallocated(cache: DynamicCache) -> bool:
+    return all(type(layer) is PreallocatedLayer for layer in cache.layers)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -331,6 +365,89 @@ def pick_token(logits: torch.Tensor, params: GenerationParams, generator: torch.
     return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
 
 
+@dataclass(eq=False)
+class DecodeState:
+    """One generation in progress: its own KV cache and sampler, the ids it feeds next, how far it got.
+
+    ``feed`` is (1, T): the uncached prompt tail until the prefill, then the last new token (1, 1).
+    ``finished``: the last token was an EOS id, or ``params.max_new_tokens`` tokens were produced.
+    """
+
+    params: GenerationParams
+    eos_ids: set[int]
+    cache: DynamicCache
+    generator: torch.Generator | None
+    feed: torch.Tensor
+    produced: int = 0
+    finished: bool = False
+
+    @classmethod
+    def start(cls, model, input_ids: list[int], params: GenerationParams, eos_ids: set[int], past_key_values=None):
+        """The state before the prefill: a cache for the prompt and ``max_new_tokens`` with the reusable part
+        of ``past_key_values`` copied in (not modified; see :func:`reusable_prefix`), a seeded sampler."""
+        device = next(model.parameters()).device
+        cached = reusable_prefix(past_key_values, len(input_ids))
+        cache = start_cache(model, len(input_ids) + params.max_new_tokens, past_key_values, keep=cached)
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=device)
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        return cls(params, eos_ids, cache, generator, torch.tensor([input_ids[cached:]], device=device))
+
+    def take(self, logits: torch.Tensor) -> int:
+        """Pick the next token from this sequence's last-position ``logits`` (1, V) and feed it next."""
+        token = pick_token(logits, self.params, self.generator)
+        self.produced += 1
+        self.finished = token in self.eos_ids or self.produced >= self.params.max_new_tokens
+        self.feed = torch.tensor([[token]], device=self.feed.device)  # (1, 1)
+        return token
+
+
+class Decoder:
+    """The forwards of a model's generations: a prefill for one :class:`DecodeState`, then one-token steps
+    over any number of them at once.
+
+    A step runs :class:`LlamaStep` over every state whose cache it supports (Llama-family models), and the
+    model's own forward, state by state, over the others (Gemma3: sliding windows and extra norms; correct
+    but not faster than one generation after another). Built once per generation by :func:`decode_tokens`,
+    once per server by the scheduler: its packed bf16 weights are taken at construction, so the model's
+    weights must not change while it is in use.
+    """
+
+    def __init__(self, model, precision: str = "fp32"):
+        self.model, self.precision = model, precision
+        self.device = next(model.parameters()).device
+        self.packed = precision == "bf16" and packed_supported(self.device)
+        if self.packed:
+            packed_linears(model)
+        self.lean = LlamaStep(model, self.packed) if LlamaStep.supports_model(model) else None
+
+    def prefill(self, state: DecodeState) -> int:
+        """Feed the state's prompt tail with the model's own forward -> the first new token."""
+        with _step_context(self.precision, self.device, False):
+            return state.take(self._forward(state))
+
+    def step(self, states: list[DecodeState]) -> list[int]:
+        """One new token for each of ``states`` (prefilled, not finished), in one forward where it can."""
+        with _step_context(self.precision, self.device, self.packed):
+            logits: list[torch.Tensor | None] = [None] * len(states)
+            lean = [i for i, s in enumerate(states) if self.lean is not None and _preallocated(s.cache)]
+            if lean:
+                tokens = torch.cat([states[i].feed for i in lean]) if len(lean) > 1 else states[lean[0]].feed  # (B, 1)
+                batch = self.lean(tokens, [states[i].cache for i in lean])  # (B, V)
+                for row, i in enumerate(lean):
+                    logits[i] = batch[row : row + 1]  # (1, V)
+            return [s.take(x if x is not None else self._forward(s)) for s, x in zip(states, logits, strict=True)]
+
+    def _forward(self, state: DecodeState) -> torch.Tensor:
+        """The model's own forward of ``state.feed`` -> last-position logits (1, V)."""
+        out = self.model(input_ids=state.feed, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+
 def decode_tokens(
     model,
     input_ids: list[int],
@@ -347,34 +464,12 @@ def decode_tokens(
     prefilled (see :func:`reusable_prefix`). The first token comes after the prefill, each next one after
     a single-token step.
     """
-    device = next(model.parameters()).device
-    cached = reusable_prefix(past_key_values, len(input_ids))
-    cache = start_cache(model, len(input_ids) + params.max_new_tokens, past_key_values, keep=cached)
-    packed = precision == "bf16" and packed_supported(device)
-    if packed:
-        packed_linears(model)
-    generator = None
-    if params.temperature > 0:
-        generator = torch.Generator(device=device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
-    lean = LlamaStep(model, cache, packed) if LlamaStep.supports(model, cache) else None
-    step = torch.tensor([input_ids[cached:]], device=device)  # (1, T - cached), then (1, 1)
-    for produced in range(params.max_new_tokens):
+    decoder = Decoder(model, precision)
+    state = DecodeState.start(model, input_ids, params, eos_ids, past_key_values)
+    while not state.finished:
         if cancel is not None and cancel.is_set():
             return
-        with _step_context(precision, device, packed and produced > 0):
-            if lean is not None and produced > 0:
-                logits = lean(step)
-            else:
-                logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            token = pick_token(logits, params, generator)
-        yield token
-        if token in eos_ids:
-            return
-        step = torch.tensor([[token]], device=device)  # (1, 1)
+        yield decoder.prefill(state) if state.produced == 0 else decoder.step([state])[0]
 
 
 def warm_up(model, precision: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 
@@ -120,6 +120,7 @@ def generate_stream(
     precision: str = "fp32",
     past_key_values=None,
     cancel: threading.Event | None = None,
+    decode: Callable[..., Iterator[int]] = decode_tokens,
 ) -> Iterator[str | GenerationResult]:
     """Yield text pieces of the continuation of ``input_ids``, then one :class:`GenerationResult`.
 
@@ -129,6 +130,9 @@ def generate_stream(
     (never streamed); ``past_key_values`` must hold the KV cache of a prefix of ``input_ids`` and is not
     modified. Setting ``cancel`` (from any thread) ends the generation within a token; so does closing
     this iterator early (it sets ``cancel``).
+
+    ``decode``: the token source, with :func:`~unimae.decoding.decode_tokens`'s signature and contract (the
+    server passes its in-flight batching scheduler's, :meth:`unimae.serving.scheduler.GenerationScheduler.decode`).
     """
     if not input_ids:
         raise ValueError("the prompt is empty")
@@ -136,7 +140,7 @@ def generate_stream(
     eos = set() if params.ignore_eos else eos_token_ids(model, tokenizer)
     cached = reusable_prefix(past_key_values, len(input_ids))
     queue: SimpleQueue = SimpleQueue()
-    tokens = decode_tokens(model, input_ids, params, eos, precision, past_key_values, cancel)
+    tokens = decode(model, input_ids, params, eos, precision, past_key_values, cancel)
     worker = threading.Thread(target=_produce, args=(tokens, queue), name="unimae-generate", daemon=True)
     worker.start()
     detokenizer = _Detokenizer(tokenizer)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from unimae.adapter import adapter_revision
+from unimae.decoding import decode_tokens
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
 from unimae.index import Hit, VectorIndex, VectorIndexError
@@ -119,10 +120,12 @@ class RAG:
         k: int | None = None,
         reuse_kv: bool | None = None,
         cancel: threading.Event | None = None,
+        decode: Callable[..., Iterator[int]] = decode_tokens,
     ) -> Iterator[list[Hit] | str | RAGAnswer]:
         """Yield the retrieved hits, then answer text pieces, then the :class:`RAGAnswer`.
 
-        ``cancel`` (set by a caller whose client left) ends the generation within a token.
+        ``cancel`` (set by a caller whose client left) ends the generation within a token. ``decode``: the
+        token source (see :func:`~unimae.generation.generate_stream`; the server's batching scheduler).
         """
         params = params or GenerationParams(max_new_tokens=128)
         self.check_budget(query, params.max_new_tokens)
@@ -146,6 +149,7 @@ class RAG:
             precision=self.encoder.precision,
             past_key_values=cache if reuse else None,
             cancel=cancel,
+            decode=decode,
         ):
             if isinstance(item, GenerationResult):
                 result = item

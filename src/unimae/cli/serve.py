@@ -2,6 +2,10 @@
 
 ``--engine torch`` (default) runs the model in PyTorch; ``--engine llama.cpp --gguf FILE`` serves a GGUF written
 by ``unimae export --format gguf`` from one llama.cpp model (:mod:`unimae.serving.llamacpp_engine`).
+
+Every :class:`~unimae.serving.config.ServerConfig` field is a flag; with ``--engine torch``, concurrent
+generations are batched in flight (``--max-batch-generations 8`` decoded together; ``--no-continuous-batching``
+runs each on its own thread, ``--max-concurrent-generations`` at once).
 """
 
 from __future__ import annotations

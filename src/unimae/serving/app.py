@@ -7,18 +7,22 @@ body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for b
 Model work runs in worker threads, and so does parsing and tokenizing a request (a body of a few MB would
 otherwise stall every other request). Embedding requests go through a :class:`DynamicBatcher` that schedules
 by tokens: a large request is embedded in chunks of ``embed_chunk_tokens`` between the others, and a client
-that disconnects cancels its remaining chunks. At most ``max_concurrent_generations`` generations run at once,
-``max_queued_generations`` more may wait, and further ones get 429. A client that disconnects from a stream
-stops its generation within a token.
+that disconnects cancels its remaining chunks. Generations are batched in flight by a
+:class:`~unimae.serving.scheduler.GenerationScheduler`: up to ``max_batch_generations`` decode together, one token
+each per step, a new one joining at the next step (``--no-continuous-batching``: ``max_concurrent_generations``
+at once, each on its own thread); ``max_queued_generations`` more may wait, and further ones get 429. A client
+that disconnects from a stream stops its generation within a token. Embedding chunks and decode steps take
+turns on the model (a FIFO lock, ``model_lock.py``).
 
 Where things are: the routes in ``routes/`` (one router per group), the state they share in ``state.py``,
-generation slots in ``slots.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key and
-body-size guard in ``guard.py``. This module builds the app from them and turns every exception into the error
-body.
+generation slots in ``slots.py``, continuous batching of generations in ``scheduler.py``, the model lock in
+``model_lock.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key and body-size guard in
+``guard.py``. This module builds the app from them and turns every exception into the error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -56,9 +60,13 @@ def create_app(encoder: Encoder, config: ServerConfig | None = None, index: Vect
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: ServerState = app.state.server
     state.batcher.start()
+    if state.scheduler is not None:
+        state.scheduler.start()
     logger.info("serving %s (%d-dim embeddings)", state.config.model_name, state.encoder.embedding_dim)
     yield
     await state.batcher.stop()
+    if state.scheduler is not None:
+        await asyncio.get_running_loop().run_in_executor(None, state.scheduler.stop)  # waits for its current step
 
 
 async def api_error(request: Request, err: APIError) -> JSONResponse:

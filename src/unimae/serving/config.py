@@ -19,7 +19,19 @@ class ServerConfig:
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest request body accepted."})
     max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens a request may ask for."})
     default_chat_tokens: int = field(default=256, metadata={"help": "max_tokens of chat/RAG when not given."})
-    max_concurrent_generations: int = field(default=1, metadata={"help": "Generations running at once."})
+    continuous_batching: bool = field(
+        default=True,
+        metadata={
+            "help": "Decode concurrent generations together, one token each per step; a new request joins the "
+            "running batch at the next step (--no-continuous-batching: each generation in a thread of its own)."
+        },
+    )
+    max_batch_generations: int = field(
+        default=8, metadata={"help": "Continuous batching: most generations decoded together; more wait in the queue."}
+    )
+    max_concurrent_generations: int = field(
+        default=1, metadata={"help": "With --no-continuous-batching: generations running at once."}
+    )
     max_queued_generations: int = field(default=32, metadata={"help": "Generations waiting; more get 429."})
     max_request_tokens: int = field(
         default=256 * 512,
@@ -40,6 +52,7 @@ class ServerConfig:
             "max_inputs",
             "max_body_bytes",
             "max_new_tokens",
+            "max_batch_generations",
             "max_concurrent_generations",
             "max_request_tokens",
             "embed_chunk_tokens",

@@ -1,5 +1,10 @@
 """What every route shares: the loaded model, the settings, the embedding batcher and its tokenizer, RAG,
-generation slots.
+generation slots and the generation scheduler.
+
+The embedding batcher and the scheduler take turns on the model through one FIFO :class:`ModelLock`: the
+batcher holds it for one chunk (one forward pass), the scheduler for one prefill or one decode step, so
+embedding chunks run between decode steps and neither starves the other. With ``--no-continuous-batching``
+each generation decodes on its own thread, without the lock, as before the scheduler.
 
 One :class:`ServerState` per app, on ``app.state.server``; a route asks for it with a ``StateDep``
 parameter. Its methods are the request checks that depend on the served model and the server's limits.
@@ -9,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import numpy as np
 from fastapi import Depends, Request
 
+from unimae.decoding import decode_tokens
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams
 from unimae.index import VectorIndex
@@ -23,6 +30,8 @@ from unimae.rag import RAG
 from unimae.serving.batcher import DynamicBatcher
 from unimae.serving.config import ServerConfig
 from unimae.serving.memory import release_free_memory
+from unimae.serving.model_lock import ModelLock
+from unimae.serving.scheduler import GenerationScheduler
 from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest
 from unimae.serving.slots import GenerationSlots
 
@@ -37,26 +46,36 @@ class ServerState:
     index: VectorIndex | None = None
     rag: RAG | None = None  # with an index only
     context: int | None = None  # the model's context length in tokens, when it has one
+    scheduler: GenerationScheduler | None = None  # continuous batching; started and stopped by the lifespan
+    lock: ModelLock = field(default_factory=ModelLock)  # one forward pass at a time: embedding chunk or decode step
 
     @classmethod
     def build(cls, encoder: Encoder, config: ServerConfig, index: VectorIndex | None = None) -> ServerState:
+        lock = ModelLock()
         batcher = DynamicBatcher(
-            functools.partial(_embed_chunk, encoder),
+            functools.partial(_embed_chunk, encoder, lock),
             config.batch_max_texts,
             config.batch_wait_ms,
             chunk_tokens=config.embed_chunk_tokens,
             size=lambda item: len(item.ids),
             on_idle=release_free_memory,
         )
+        scheduler = None
+        running = config.max_concurrent_generations
+        if config.continuous_batching:
+            scheduler = GenerationScheduler(encoder.model, encoder.precision, config.max_batch_generations, lock)
+            running = config.max_batch_generations
         state = cls(
             encoder=encoder,
             config=config,
             batcher=batcher,
-            slots=GenerationSlots(config.max_concurrent_generations, config.max_queued_generations),
+            slots=GenerationSlots(running, config.max_queued_generations),
             embedding_tokenizer=copy.deepcopy(encoder.tokenizer),
             index=index,
             rag=RAG(encoder, index) if index is not None else None,
             context=getattr(encoder.model.config, "max_position_embeddings", None),
+            scheduler=scheduler,
+            lock=lock,
         )
         state.embedding_inputs(["warm up"])  # sets the copy's truncation before threads share it
         return state
@@ -75,6 +94,12 @@ class ServerState:
         error = self.config.on_too_long == "error"
         length = self.encoder.max_length + 1 if error else self.encoder.max_length
         return self.encoder.spec.build_inputs(self.embedding_tokenizer, texts, length)
+
+    @property
+    def decode(self) -> Callable[..., Iterator[int]]:
+        """The token source of every generation (``generate_stream``'s ``decode``): the scheduler's with
+        continuous batching, else :func:`~unimae.decoding.decode_tokens` in the generation's own thread."""
+        return self.scheduler.decode if self.scheduler is not None else decode_tokens
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model's id (or not given)."""
@@ -106,9 +131,11 @@ class ServerState:
         )
 
 
-def _embed_chunk(encoder: Encoder, inputs: list[PooledInput]) -> np.ndarray:
-    """One chunk of the batcher -> (N, D) unit rows, in ONE forward pass: its token budget is per pass."""
-    return encoder.encode_inputs(inputs, batch_size=len(inputs), normalize=True, show_progress=False)
+def _embed_chunk(encoder: Encoder, lock: ModelLock, inputs: list[PooledInput]) -> np.ndarray:
+    """One chunk of the batcher -> (N, D) unit rows, in ONE forward pass (its token budget is per pass), with
+    the model to itself: between two decode steps of the generation scheduler."""
+    with lock:
+        return encoder.encode_inputs(inputs, batch_size=len(inputs), normalize=True, show_progress=False)
 
 
 async def get_state(request: Request) -> ServerState:

@@ -2,7 +2,8 @@
 
 Both parse the body and tokenize the prompt in a worker thread (a 4 MB prompt would stall the event loop for
 seconds), check the token budget, then either take a generation slot and answer in one body, or reserve a
-slot (429 now if the queue is full) and return an SSE stream that holds it.
+slot (429 now if the queue is full) and return an SSE stream that holds it. The tokens come from the server's
+token source (``state.decode``: the continuous-batching scheduler by default).
 """
 
 from __future__ import annotations
@@ -87,7 +88,13 @@ async def _generate(state: ServerState, ids: list[int], params: GenerationParams
     async with state.slots.hold():
         encoder = state.encoder
         return await run_in_threadpool(
-            generate_text, encoder.model, encoder.tokenizer, ids, params, precision=encoder.precision
+            generate_text,
+            encoder.model,
+            encoder.tokenizer,
+            ids,
+            params,
+            precision=encoder.precision,
+            decode=state.decode,
         )
 
 
@@ -100,7 +107,13 @@ def _stream(
 
     def pieces():
         return generate_stream(
-            encoder.model, encoder.tokenizer, ids, params, precision=encoder.precision, cancel=cancel
+            encoder.model,
+            encoder.tokenizer,
+            ids,
+            params,
+            precision=encoder.precision,
+            cancel=cancel,
+            decode=state.decode,
         )
 
     def render(item: str | GenerationResult) -> dict | None:

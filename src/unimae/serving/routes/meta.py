@@ -1,5 +1,5 @@
-"""``GET /health`` (liveness and the embedding batcher's counters; the only route that needs no API key) and
-``GET /v1/models``."""
+"""``GET /health`` (liveness, the embedding batcher's and the generation scheduler's counters; the only route that
+needs no API key) and ``GET /v1/models``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ async def health(state: StateDep) -> dict:
         "model": state.config.model_name,
         "index_passages": len(index) if index else None,
         "embeddings": state.batcher.snapshot(),  # chunks, tokens, waiting and cancelled requests
+        "generations": state.scheduler.snapshot() if state.scheduler is not None else None,  # steps, batch sizes
     }
 
 

@@ -38,7 +38,13 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
     state.slots.reserve()
     cancel = threading.Event()
     run = functools.partial(
-        state.rag.stream, body.query, params=params, k=body.k, reuse_kv=body.reuse_kv, cancel=cancel
+        state.rag.stream,
+        body.query,
+        params=params,
+        k=body.k,
+        reuse_kv=body.reuse_kv,
+        cancel=cancel,
+        decode=state.decode,
     )
     model = state.config.model_name
     if body.stream:

@@ -1,0 +1,50 @@
+"""The server's model lock: embedding chunks and generation steps take turns on the one loaded model.
+
+The embedding batcher holds it for one chunk (one forward pass, ``--embed-chunk-tokens`` padded tokens), the
+generation scheduler for one prefill or one decode step. On a 2-core CPU two forwards at once only share the
+cores (each with its own OpenMP team, oversubscribed); one after the other, each runs at full speed.
+
+The lock is FIFO (a ticket lock): the thread that asked first gets the model next. A plain ``threading.Lock``
+is not: the scheduler releases and re-acquires it between steps in microseconds and could take it again and
+again before a waiting embedding thread wakes. With turns, an embedding chunk waits for at most the step (or
+prefill) running when it asks, and a decode step for at most one chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class ModelLock:
+    """A first-come, first-served lock (not reentrant): ``with lock:`` around one forward pass."""
+
+    def __init__(self):
+        self._turns = threading.Condition(threading.Lock())
+        self._next = 0  # the ticket the next caller gets
+        self._serving = 0  # the ticket that holds the lock (or gets it next)
+
+    def acquire(self) -> None:
+        """Wait for every caller that asked before this one, then hold the lock."""
+        ticket = self._ticket()
+        with self._turns:
+            while self._serving != ticket:
+                self._turns.wait()
+
+    def _ticket(self) -> int:
+        """This caller's place in the line."""
+        with self._turns:
+            self._next += 1
+            return self._next - 1
+
+    def release(self) -> None:
+        """Hand the lock to the caller that has waited longest."""
+        with self._turns:
+            self._serving += 1
+            self._turns.notify_all()
+
+    def __enter__(self) -> ModelLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

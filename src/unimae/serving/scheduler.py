@@ -1,0 +1,270 @@
+"""In-flight (continuous) batching of the server's generations: one thread decodes every running generation
+together, one new token each per step; a request joins the batch at the next step and leaves when it is done.
+
+Why: a 135M model's decode step on a CPU is bound by reading its weights, so one step over B rows costs about
+what one row costs, while B generations decoded separately on 2 cores each read the weights themselves.
+
+How (the arithmetic is :class:`unimae.decoding.Decoder`'s):
+
+- :meth:`GenerationScheduler.submit` queues a request (prompt ids, :class:`GenerationParams` with its own
+  temperature / top_p / seed / max_new_tokens, EOS ids, an optional prefix KV cache, a cancel event) and
+  returns an iterator of its new token ids as they come. :meth:`GenerationScheduler.decode` is the same with
+  :func:`~unimae.decoding.decode_tokens`'s signature: the token source that
+  ``generate_stream(..., decode=scheduler.decode)`` runs, so turning ids into text, stop strings, streaming
+  and cancellation stay in :mod:`unimae.generation`, one code path for the server, ``unimae ask`` and
+  ``Encoder.generate``.
+- The scheduler's thread loops: take waiting requests while the batch has room (``max_batch`` rows); prefill
+  each alone (batch 1, its own preallocated cache with the reusable part of its prefix copied in, as
+  ``decode_tokens`` does) -> its first token; then one :meth:`Decoder.step` over every row -> one token each.
+  Each row keeps its own KV cache (no padding, no merged cache); for Llama-family models the step stacks the
+  rows for the projections and attends row by row; other models (Gemma3) step each row with the model's own
+  forward (correct, not faster). Greedy tokens equal those of the request decoded alone (fp32 tests).
+- A row leaves at an EOS id, at ``max_new_tokens``, or once its cancel event is set (the routes set it when
+  the client leaves or a stop string ends the text; closing the iterator does the same), checked when the
+  step has the model, so a cancelled row costs at most the step it is in and frees its place for the next one.
+- Sharing the model: a prefill or a step holds the server's :class:`ModelLock`, which the embedding batcher
+  holds for one chunk; the lock is FIFO, so embedding chunks run between decode steps: a chunk waits for at
+  most one step (or prefill), a step for at most one chunk.
+- Bounds: at most ``max_batch`` rows; what is submitted is bounded by the routes' ``GenerationSlots`` (sized
+  ``max_batch`` running + ``--max-queued-generations`` waiting, then 429 before the stream's 200).
+- Errors: a prefill that fails ends its request with the error; a step that fails ends the rows in it; the
+  scheduler goes on. Stopping ends every generation left with an error.
+
+Deviation from an ``asyncio.Queue`` per request: tokens go into a thread-safe queue read by
+``generate_stream``'s worker thread, where ``decode_tokens`` ran before, so the routes and the text logic are
+unchanged; that costs one thread hand-off per token, small next to a decode step.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from queue import SimpleQueue
+
+from unimae.decoding import Decoder, DecodeState
+from unimae.generation import GenerationParams
+from unimae.serving.model_lock import ModelLock
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()  # the last item of a request's queue
+THREAD_NAME = "unimae-generation-scheduler"
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (``/health`` reports them)."""
+
+    requests: int = 0  # submitted
+    finished: int = 0  # ended at an EOS id or max_new_tokens
+    cancelled: int = 0  # left early: cancel set, or its consumer closed the stream
+    failed: int = 0  # ended by an error
+    steps: int = 0  # batched one-token forwards
+    tokens: int = 0  # new tokens produced (the prefill's first tokens included)
+    peak_batch: int = 0  # most rows in one step
+
+
+@dataclass(eq=False)
+class _Request:
+    input_ids: list[int]
+    params: GenerationParams
+    eos_ids: set[int]
+    prefix: object | None  # KV cache of a prefix of input_ids (not modified); let go after the prefill
+    cancel: threading.Event
+    out: SimpleQueue = field(default_factory=SimpleQueue)  # token ids, then an error or _DONE
+    state: DecodeState | None = None  # from the prefill on
+    closed: bool = False  # the consumer closed its token iterator
+
+    def gone(self) -> bool:
+        return self.closed or self.cancel.is_set()
+
+
+class GenerationScheduler:
+    """Decodes the submitted generations of ``model`` together, at most ``max_batch`` at a time.
+
+    ``lock``: the model lock shared with the embedding batcher (a fresh one if not given). :meth:`start` starts
+    the thread, :meth:`stop` ends it; :meth:`submit` is refused before and after.
+    """
+
+    def __init__(self, model, precision: str = "fp32", max_batch: int = 8, lock: ModelLock | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.precision, self.max_batch = model, precision, max_batch
+        self.lock = lock or ModelLock()
+        self.stats = SchedulerStats()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._rows: list[_Request] = []  # the running batch, in the scheduler thread's hands
+        self._wake = threading.Condition()  # guards _waiting, _running, _stopping
+        self._running = self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the decoding thread (it packs bf16 decode weights first, once)."""
+        with self._wake:
+            if self._thread is not None:
+                raise RuntimeError("the generation scheduler was already started")
+            self._running = True
+            self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop after the step under way; generations still running or waiting end with an error. New ones are
+        refused from now on. ``wait``: block until the thread has ended."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if wait and self._thread is not None:
+            self._thread.join()
+
+    def snapshot(self) -> dict:
+        """The counters, plus the rows decoding now and the requests waiting for a place."""
+        return {**asdict(self.stats), "running": len(self._rows), "waiting": len(self._waiting)}
+
+    def submit(
+        self,
+        input_ids: list[int],
+        params: GenerationParams,
+        eos_ids: set[int],
+        past_key_values=None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        """Queue a generation -> its new token ids as they come, ending after an EOS id (yielded too),
+        ``params.max_new_tokens``, or early once ``cancel`` is set or the iterator is closed.
+
+        ``past_key_values``: the KV cache of a prefix of ``input_ids`` (not modified). The iterator blocks
+        while it waits for the next token; read it from a worker thread.
+        """
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        request = _Request(list(input_ids), params, set(eos_ids), past_key_values, cancel or threading.Event())
+        with self._wake:
+            if not self._running or self._stopping:
+                raise RuntimeError("the generation scheduler is not running")
+            self._waiting.append(request)
+            self.stats.requests += 1
+            self._wake.notify()
+        return _tokens(request)
+
+    def decode(
+        self,
+        model,
+        input_ids: list[int],
+        params: GenerationParams,
+        eos_ids: set[int],
+        precision: str = "fp32",
+        past_key_values=None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        """:func:`~unimae.decoding.decode_tokens`, decoded in the batch: pass it as ``generate_stream``'s
+        ``decode``. ``model`` and ``precision`` must be the scheduler's own."""
+        if model is not self.model or precision != self.precision:
+            raise ValueError(
+                f"this scheduler decodes its own model in {self.precision}; "
+                "call decode_tokens for another model or precision"
+            )
+        return self.submit(input_ids, params, eos_ids, past_key_values, cancel)
+
+    def _run(self) -> None:
+        error: Exception = RuntimeError("the server is shutting down")
+        try:
+            decoder = Decoder(self.model, self.precision)
+            while (arrivals := self._arrivals()) is not None:
+                for request in arrivals:
+                    self._prefill(decoder, request)
+                self._step(decoder)
+        except Exception as err:  # a bug: end every generation with it rather than leave them waiting
+            logger.exception("the generation scheduler stopped on an error")
+            error = err
+        with self._wake:
+            self._running = False
+            left = [*self._rows, *self._waiting]
+            self._rows, self._waiting = [], collections.deque()
+        for request in left:
+            self._end(request, error)
+
+    def _arrivals(self) -> list[_Request] | None:
+        """The waiting requests that fit in the batch now, oldest first; blocks while there is nothing to do.
+        None once the scheduler is stopping. Waiting requests that were cancelled leave the queue here."""
+        with self._wake:
+            while not (self._stopping or self._waiting or self._rows):
+                self._wake.wait()
+            if self._stopping:
+                return None
+            for request in [r for r in self._waiting if r.gone()]:
+                self._waiting.remove(request)
+                self._end(request, cancelled=True)
+            room = self.max_batch - len(self._rows)
+            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+
+    def _prefill(self, decoder: Decoder, request: _Request) -> None:
+        """Feed ``request``'s prompt (batch 1) -> its first token; it joins the batch unless it is done."""
+        if request.gone():
+            self._end(request, cancelled=True)
+            return
+        try:
+            with self.lock:
+                args = (request.input_ids, request.params, request.eos_ids, request.prefix)
+                request.state = DecodeState.start(self.model, *args)
+                token = decoder.prefill(request.state)
+        except Exception as err:  # this request's fault (or its prompt's): the others go on
+            self._end(request, err)
+            return
+        request.prefix = None
+        self._deliver(request, token)
+        if request.state.finished:
+            self._end(request)
+        else:
+            self._rows.append(request)
+
+    def _step(self, decoder: Decoder) -> None:
+        """One token for every row; rows that are done (or gone) leave the batch."""
+        with self.lock:
+            for request in [r for r in self._rows if r.gone()]:  # checked once the model is ours
+                self._rows.remove(request)
+                self._end(request, cancelled=True)
+            rows = list(self._rows)
+            if not rows:
+                return
+            try:
+                tokens = decoder.step([r.state for r in rows])
+            except Exception as err:  # every row of this step fails; later requests go on
+                self._rows = []
+                for request in rows:
+                    self._end(request, err)
+                return
+        self.stats.steps += 1
+        self.stats.peak_batch = max(self.stats.peak_batch, len(rows))
+        for request, token in zip(rows, tokens, strict=True):
+            self._deliver(request, token)
+        self._rows = [r for r in rows if not r.state.finished]
+        for request in rows:
+            if request.state.finished:
+                self._end(request)
+
+    def _deliver(self, request: _Request, token: int) -> None:
+        self.stats.tokens += 1
+        request.out.put(token)
+
+    def _end(self, request: _Request, error: Exception | None = None, cancelled: bool = False) -> None:
+        if error is not None:
+            self.stats.failed += 1
+            request.out.put(error)
+        elif cancelled:
+            self.stats.cancelled += 1
+        else:
+            self.stats.finished += 1
+        request.out.put(_DONE)
+
+
+def _tokens(request: _Request) -> Iterator[int]:
+    """The consumer's side of ``request``: its token ids as the scheduler delivers them, or its error."""
+    try:
+        while (item := request.out.get()) is not _DONE:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        request.closed = True  # closed early: its row leaves the batch at the next step
