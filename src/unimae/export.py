@@ -11,6 +11,9 @@
   of MNTP, GEM's summary tokens and mask, echo) is refused with a message instead of exported wrongly.
 - ``gguf``: one GGUF file for llama.cpp (``--output FILE.gguf``, ``gguf_type`` f32/f16/bf16/q8_0), pooling
   ``last``; clients append EOS (see :mod:`unimae.gguf_export`). Only causal last-token (``eos``) adapters.
+- ``gguf-lora``: the adapter alone as a llama.cpp LoRA-adapter GGUF (``gguf_type`` f32/f16), applied with
+  ``--lora`` on a GGUF of the base model (see :mod:`unimae.gguf_lora_export`). Refuses as ``gguf`` does, and
+  adapters that are not low-rank pairs on linear weights.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from unimae.adapter import ADAPTER_META, adapter_meta, adapter_revision, embeddi
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.files import atomic_write_json
 
-FORMATS = ("hf", "sentence-transformers", "gguf")
+FORMATS = ("hf", "sentence-transformers", "gguf", "gguf-lora")
 
 
 _CARD_KEYS = ("method", "recipe", "steps", "batch_size", "max_length", "lr", "alpha", "p_mar", "p_mrc", "lora_r")
@@ -86,7 +89,7 @@ def check_exportable(spec: EmbeddingSpec, fmt: str) -> None:
             "(it runs the model with causal attention and last-token or mean pooling); export --format hf and "
             "embed with unimae instead"
         )
-    if fmt == "gguf" and not spec.is_last_token:
+    if fmt in ("gguf", "gguf-lora") and not spec.is_last_token:
         raise ValueError(
             f"this adapter embeds with {spec.describe()}, which a GGUF model cannot express (llama.cpp runs "
             "causal attention and pools the last token); export --format hf and embed with unimae instead"
@@ -119,10 +122,14 @@ def export(
     max_length: int = 512,
     gguf_type: str = "f16",
 ) -> Path:
-    """Write the export to ``output`` (a directory; a ``.gguf`` file for ``gguf``); return its path.
-    Refuses a spec ``fmt`` cannot express."""
+    """Write the export to ``output`` (a directory; a ``.gguf`` file for ``gguf`` and ``gguf-lora``); return its
+    path. Refuses a spec ``fmt`` cannot express."""
     spec = embedding_spec(adapter)
     check_exportable(spec, fmt)
+    if fmt == "gguf-lora":
+        from unimae.gguf_lora_export import export_gguf_lora
+
+        return export_gguf_lora(model, adapter, output, gguf_type)
     if fmt == "gguf":
         return _save_gguf(model, adapter, Path(output), spec, gguf_type)
     out = Path(output)

@@ -74,7 +74,8 @@ _PRE_TOKENIZERS: list[tuple[list[dict], str]] = [
 _NORMALIZERS = (None, {"type": "NFC"})
 
 
-def _file_types():
+def file_types() -> dict:
+    """{type name: (GGML tensor type, llama.cpp file type)} of the types this exporter writes."""
     from gguf import GGMLQuantizationType as Q
     from gguf import LlamaFileType as F
 
@@ -137,7 +138,7 @@ def write_gguf(
     if out_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {out_type!r}; choose one of {GGUF_TYPES}")
     rule = arch_rule(merged.config)
-    qtype, file_type = _file_types()[out_type]
+    qtype, file_type = file_types()[out_type]
     reader = GGUFReader(source) if source is not None else None
     if reader is not None and _field(reader, "general.architecture") != rule.gguf_arch:
         raise ValueError(f"{source} is a {_field(reader, 'general.architecture')!r} GGUF, not {rule.gguf_arch!r}")
@@ -154,7 +155,7 @@ def write_gguf(
         if out_type == "q8_0":
             writer.add_quantization_version(2)
         writer.add_pooling_type(PoolingType.LAST)
-        for key, value, vtype in _unimae_keys(tokenizer, spec, extra or {}):
+        for key, value, vtype in unimae_keys(tokenizer, spec, extra or {}):
             writer.add_key_value(key, value, vtype)
         for name, array, raw_type in tensors:
             writer.add_tensor(name, array, raw_dtype=raw_type)
@@ -168,7 +169,7 @@ def write_gguf(
     return atomic_write(out, write)
 
 
-def _unimae_keys(tokenizer, spec: EmbeddingSpec, extra: dict[str, str]) -> list[tuple]:
+def unimae_keys(tokenizer, spec: EmbeddingSpec, extra: dict[str, str]) -> list[tuple]:
     """(key, value, GGUF type) of the ``unimae.*`` keys: the embedding rule, and ``extra`` as strings."""
     from gguf import GGUFValueType
 
@@ -306,29 +307,46 @@ def _permute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _tensors(merged, rule: ArchRule, qtype) -> Iterator[tuple[str, np.ndarray, object]]:
-    """(GGUF name, array, GGML type) per weight, in the model's order."""
+def tensor_name_map(config, rule: ArchRule):
+    """``gguf.TensorNameMap`` of the llama.cpp architecture: Hugging Face parameter name -> GGUF tensor name."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    config = merged.config
     arch = next(a for a, name in MODEL_ARCH_NAMES.items() if name == rule.gguf_arch)
-    names = get_tensor_name_map(arch, config.num_hidden_layers)
+    return get_tensor_name_map(arch, config.num_hidden_layers)
+
+
+def gguf_tensor_name(names, hf_name: str, config) -> str:
+    """llama.cpp's name for the Hugging Face parameter ``hf_name`` (ValueError if it has none)."""
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"no llama.cpp tensor name for {hf_name!r} ({config.model_type}); export --format hf")
+    return name
+
+
+def llama_cpp_rows(hf_name: str, array: np.ndarray, config, rule: ArchRule) -> np.ndarray:
+    """``array``, whose rows are the output rows of parameter ``hf_name``, in llama.cpp's row order
+    (q/k rows permuted to interleaved rotary pairs where the architecture needs it; else unchanged)."""
+    if rule.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _permute_rotary(array, config.num_attention_heads)
+    if rule.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _permute_rotary(array, config.num_key_value_heads)
+    return array
+
+
+def _tensors(merged, rule: ArchRule, qtype) -> Iterator[tuple[str, np.ndarray, object]]:
+    """(GGUF name, array, GGML type) per weight, in the model's order."""
+    config = merged.config
+    names = tensor_name_map(config, rule)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     for hf_name, tensor in merged.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ValueError(f"no llama.cpp tensor name for {hf_name!r} ({config.model_type}); export --format hf")
-        array = tensor.detach().float().cpu().numpy()
-        if rule.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _permute_rotary(array, config.num_attention_heads)
-        elif rule.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _permute_rotary(array, config.num_key_value_heads)
-        yield (name, *_encode(array, qtype))
+        name = gguf_tensor_name(names, hf_name, config)
+        array = llama_cpp_rows(hf_name, tensor.detach().float().cpu().numpy(), config, rule)
+        yield (name, *encode_tensor(array, qtype))
 
 
-def _encode(array: np.ndarray, qtype):
+def encode_tensor(array: np.ndarray, qtype):
     """(stored array, GGML type): 1-D stays f32; q8_0 needs rows of whole 32-blocks, else f16."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize

@@ -1,4 +1,5 @@
-"""``unimae export``: merged weights as a Hugging Face or sentence-transformers model, or a llama.cpp GGUF."""
+"""``unimae export``: merged weights as a Hugging Face or sentence-transformers model, or a llama.cpp GGUF;
+or the adapter alone as a llama.cpp LoRA-adapter GGUF (``gguf-lora``) for a base GGUF."""
 
 from __future__ import annotations
 
@@ -11,25 +12,40 @@ from unimae.gguf_export import GGUF_TYPES
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
-        sub, "export", "Export merged weights as a Hugging Face, sentence-transformers or GGUF model.", _export
+        sub,
+        "export",
+        "Export merged weights as a Hugging Face, sentence-transformers or GGUF model, or the adapter as a "
+        "llama.cpp LoRA GGUF.",
+        _export,
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
     parser.add_argument("--adapter", help="Adapter directory written by `unimae train`.")
-    parser.add_argument("--format", default="hf", choices=FORMATS, help="What to write (see unimae.export).")
-    parser.add_argument("--output", required=True, help="A new (or empty) directory; a new FILE.gguf for gguf.")
+    parser.add_argument(
+        "--format",
+        default="hf",
+        choices=FORMATS,
+        help="What to write (see unimae.export; gguf-lora: the adapter alone, for llama.cpp's --lora).",
+    )
+    parser.add_argument("--output", required=True, help="A new (or empty) directory; a new FILE.gguf for gguf*.")
     parser.add_argument(
         "--max-length", type=int, default=512, help="max_seq_length of the sentence-transformers export."
     )
     parser.add_argument(
-        "--type", default="f16", choices=GGUF_TYPES, help="Weight type of the gguf export (1-D tensors stay f32)."
+        "--type",
+        default="f16",
+        choices=GGUF_TYPES,
+        help="Weight type of the gguf export (1-D tensors stay f32); f32 or f16 for gguf-lora.",
     )
 
 
 def _export(args: argparse.Namespace) -> int:
     from unimae.export import export
 
-    options = {"gguf_type": args.type} if args.format == "gguf" else {}
+    options = {"gguf_type": args.type} if args.format.startswith("gguf") else {}
     out = export(args.model, args.adapter, args.output, fmt=args.format, max_length=args.max_length, **options)
-    kind = f"gguf ({args.type})" if args.format == "gguf" else args.format
-    print(f"wrote {kind} export to {out}")
+    if args.format == "gguf-lora":
+        print(f"wrote gguf-lora ({args.type}) adapter to {out}; load it on a GGUF of {args.model}: --lora {out}")
+    else:
+        kind = f"gguf ({args.type})" if args.format == "gguf" else args.format
+        print(f"wrote {kind} export to {out}")
     return 0
