@@ -12,6 +12,7 @@ from conftest import REAL_CACHE
 
 pytestmark = pytest.mark.integration
 
+
 @pytest.fixture
 def real_cache(monkeypatch):
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
