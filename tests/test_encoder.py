@@ -71,3 +71,27 @@ def test_generation_with_adapter_disabled_equals_base(tiny_dir, tmp_path):
         disabled = enc.generate("the cat", max_new_tokens=8)
     assert disabled == base_text
     assert adapted != base_text, "a random non-zero adapter should change greedy output"
+
+
+def test_unmerged_bf16_adapter_skips_peft_upcast_with_identical_embeddings(tiny_model_dirs, corpus_file, tmp_path):
+    """Encoder (bf16, unmerged LoRA) turns off peft's per-layer fp32 input cast: bit-identical embeddings."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from unimae.config import TrainConfig
+    from unimae.trainer import train
+
+    tiny = tiny_model_dirs["llama"]
+    config = TrainConfig(
+        model=str(tiny), data=str(corpus_file), output_dir=str(tmp_path / "run"), steps=2, batch_size=4,
+        micro_batch_size=4, max_length=24, save_every=0, precision="fp32", lora_r=4, lora_alpha=8, lr=5e-2,
+    )  # fmt: skip
+    adapter = str(train(config).adapter_dir)
+    enc = Encoder.from_pretrained(str(tiny), adapter=adapter, precision="bf16", merge=False)
+    lora = [m for m in enc.model.modules() if isinstance(m, BaseTunerLayer)]
+    assert lora and not any(m.cast_input_dtype_enabled for m in lora)
+    skipped = enc.encode(SENTENCES[:6])
+    for module in lora:
+        module.cast_input_dtype_enabled = True
+    assert np.array_equal(skipped, enc.encode(SENTENCES[:6]))
+    base = Encoder.from_pretrained(str(tiny), precision="bf16").encode(SENTENCES[:6])
+    assert not np.allclose(skipped, base, atol=1e-3)  # the adapter is really applied

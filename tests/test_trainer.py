@@ -158,3 +158,16 @@ def test_merge_exports_plain_model_with_same_embeddings(tiny_model_dirs, corpus_
     assert not any("lora" in name for name, _ in in_memory.model.named_modules())
     with pytest.raises(RuntimeError, match="merge=False"):
         in_memory.adapter_disabled()
+
+
+def test_bf16_training_without_peft_input_upcast_keeps_the_loss_curve(
+    tiny_model_dirs, corpus_file, tmp_path, monkeypatch
+):
+    """skip_input_upcast (the bf16 speed-up) changes no number beyond bf16 noise: same 4-step loss curve."""
+    tiny = tiny_model_dirs["llama"]
+    train(_config(tiny, corpus_file, tmp_path / "skip", precision="bf16", save_every=0))
+    monkeypatch.setattr(trainer, "skip_input_upcast", lambda model: None)
+    train(_config(tiny, corpus_file, tmp_path / "cast", precision="bf16", save_every=0))
+    skip, cast = _log(tmp_path / "skip"), _log(tmp_path / "cast")
+    for a, b in zip(skip, cast, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), a["step"]

@@ -102,6 +102,23 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         ) from err
 
 
+def skip_input_upcast(model) -> None:
+    """Stop peft casting each LoRA layer's input to the adapter's dtype, for a model run under bf16 autocast.
+
+    Unmerged LoRA keeps its weights in float32 (trained, or loaded as trained) beside a bf16 base, so peft
+    casts every LoRA layer's bf16 input up to float32, and autocast casts it straight back to bf16 for the
+    ``lora_A`` product: two copies of the layer's activations (and of their gradients in training) for no
+    change in the numbers (bf16 -> fp32 -> bf16 is exact; in training, LoRA dropout then acts on the bf16
+    input, one rounding of ``x / (1 - p)`` either way). Call only where the model always runs under
+    bf16 autocast; a float32 run has nothing to cast.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+
+
 def load_with_adapter(model: str, adapter: str | Path | None, dtype: torch.dtype, merge: bool = False):
     """(model with ``adapter`` attached or merged, tokenizer, resolved model path).
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from unimae.adapter import embedding_spec, load_with_adapter
+from unimae.adapter import embedding_spec, load_with_adapter, skip_input_upcast
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.generation import GenerationParams, generate_text
 from unimae.pooling import PooledInput, pool
@@ -101,6 +101,8 @@ class Encoder:
         spec = _resolve_spec(embedding_spec(adapter), pooling, attention, kwargs)
         merged = adapter is not None and (merge if merge is not None else precision == "fp32")
         llm, tokenizer, _ = load_with_adapter(model, adapter, weight_dtype(precision), merge=merged)
+        if adapter is not None and not merged and precision == "bf16":
+            skip_input_upcast(llm)  # every forward of an Encoder runs under autocast
         encoder = cls(llm, tokenizer, spec=spec, **kwargs)
         encoder.adapter_merged = merged
         return encoder

@@ -28,6 +28,7 @@ from unimae.adapter import (
     base_fingerprint,
     embedding_spec,
     quiet_peft,
+    skip_input_upcast,
     write_adapter_meta,
 )
 from unimae.attention import set_attention_dropout
@@ -183,6 +184,8 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     examples = method.load_data()
     model = method.prepare_model(model)
     llm = _build_llm(config, model, method)
+    if precision == "bf16" and not config.full_params:
+        skip_input_upcast(llm)
     if method.attention_dropout:  # else the model keeps its own config's rate
         set_attention_dropout(llm, method.attention_dropout)
     if config.gradient_checkpointing:
