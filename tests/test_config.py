@@ -20,10 +20,12 @@ def test_defaults_are_the_cpu_recipe_with_paper_method_numbers():
         32,
         1e-4,
         0.1,
-        0.5,
+        0.0,  # the CPU recipe's measured choice; the paper's 0.5 is in --recipe paper
         100,
     )
     assert (config.batch_size, config.max_length) == (16, 128)
+    paper = resolve_config(_parse(["--recipe", "paper"]))
+    assert (paper.batch_size, paper.max_length, paper.p_mar) == (32, 512, 0.5)
 
 
 def test_paper_recipe_then_file_then_flags(tmp_path):

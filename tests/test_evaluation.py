@@ -267,6 +267,17 @@ def test_summary_averages_come_from_the_task_jsons(tiny_model_dirs, tiny_encoder
     assert float(row[header.index("STS")]) == pytest.approx(sts, abs=0.006)
     assert f"{scores['TwitterURLCorpus']:.2f}" in markdown
 
+    # A row kept in another results folder joins a table as LABEL=FOLDER, read where it is, not re-scored.
+    other = tmp_path / "other"
+    other.mkdir()
+    write_summary(other, ["copy=" + str(tmp_path / "m")], tasks, name="borrowed")
+    borrowed = json.loads((other / "borrowed.json").read_text())
+    assert borrowed == {"copy": json.loads((tmp_path / "summary.json").read_text())["m"]}
+    with pytest.raises(FileNotFoundError, match="no results folder"):
+        write_summary(other, ["x=" + str(tmp_path / "nowhere")], tasks)
+    with pytest.raises(ValueError, match="LABEL=FOLDER"):
+        write_summary(other, ["=" + str(tmp_path / "m")], tasks)
+
 
 def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder, tmp_path):
     from unimae.evaluation.embeddings import evaluate_embeddings

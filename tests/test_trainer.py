@@ -26,6 +26,7 @@ def _config(tiny_dir, corpus_file, out, **overrides):
         precision="fp32",
         lora_r=4,
         lora_alpha=8,
+        p_mar=0.5,  # the paper's rate, so resume and logs are tested with masking on
     )
     values.update(overrides)
     return TrainConfig(**values)

@@ -65,7 +65,12 @@ def _add_summary_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--output-dir", default="results/embeddings", help="The folder `unimae evaluate embeddings` wrote to."
     )
-    parser.add_argument("--labels", nargs="+", help="Rows, in order (default: every evaluated label).")
+    parser.add_argument(
+        "--labels",
+        nargs="+",
+        help="Rows, in order (default: every evaluated label). LABEL=FOLDER takes a row from another results "
+        "folder (e.g. unimae-eos=results/dev-smollm2/unimae-eos) instead of scoring it again.",
+    )
     parser.add_argument(
         "--tasks",
         nargs="+",

@@ -49,8 +49,22 @@ def task_type(name: str) -> str:
     return "Reranking" if kind == "Retrieval" and name in ("SciDocsRR", "StackOverflowDupQuestions") else kind
 
 
-def read_row(folder: Path, tasks: list[str]) -> SummaryRow:
-    """Main scores of ``tasks`` from ``folder/<task>.json`` (mteb's TaskResult format)."""
+def row_folder(results_dir: Path, label: str) -> tuple[str, Path]:
+    """(row name, folder) of a ``--labels`` entry: ``LABEL`` is ``results_dir/LABEL``; ``LABEL=FOLDER`` names
+    a row whose task JSONs live elsewhere (e.g. a row already scored in another table), read where it is."""
+    name, sep, folder = label.partition("=")
+    if not sep:
+        return label, results_dir / label
+    if not name or not folder:
+        raise ValueError(f"--labels entry {label!r}: expected LABEL or LABEL=FOLDER")
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"--labels entry {label!r}: no results folder {folder}")
+    return name, Path(folder)
+
+
+def read_row(folder: Path, tasks: list[str], label: str | None = None) -> SummaryRow:
+    """Main scores of ``tasks`` from ``folder/<task>.json`` (mteb's TaskResult format), as row ``label``
+    (default: the folder's name)."""
     from mteb.results import TaskResult
 
     scores, types, missing, failed = {}, {}, [], []
@@ -63,7 +77,7 @@ def read_row(folder: Path, tasks: list[str]) -> SummaryRow:
             missing.append(name)
             if (folder / f"{name}.error.json").is_file():
                 failed.append(name)
-    return SummaryRow(folder.name, scores, types, missing, failed)
+    return SummaryRow(label or folder.name, scores, types, missing, failed)
 
 
 def _fmt(value: float | None, incomplete: bool = False) -> str:
@@ -93,7 +107,16 @@ def summary_table(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
 
 def summary_markdown(results_dir: Path, labels: list[str], tasks: list[str]) -> str:
     """The Markdown table of ``labels`` (rows) on ``tasks``, written nowhere."""
-    return _markdown(*summary_table([read_row(results_dir / label, tasks) for label in labels]))
+    return _markdown(*summary_table(read_rows(results_dir, labels, tasks)))
+
+
+def read_rows(results_dir: Path, labels: list[str], tasks: list[str]) -> list[SummaryRow]:
+    """One row per ``--labels`` entry (``LABEL`` or ``LABEL=FOLDER``, see :func:`row_folder`)."""
+    rows = []
+    for entry in labels:
+        name, folder = row_folder(results_dir, entry)
+        rows.append(read_row(folder, tasks, name))
+    return rows
 
 
 def _markdown(header: list[str], cells: list[list[str]]) -> str:
@@ -107,7 +130,7 @@ def write_summary(
     results_dir: Path, labels: list[str], tasks: list[str], name: str = "summary"
 ) -> tuple[Path, Path, str]:
     """Write ``<name>.md``, ``.csv`` and ``.json`` in ``results_dir``; return the first two and the Markdown."""
-    rows = [read_row(results_dir / label, tasks) for label in labels]
+    rows = read_rows(results_dir, labels, tasks)
     header, cells = summary_table(rows)
     markdown = _markdown(header, cells)
     md_path, csv_path = results_dir / f"{name}.md", results_dir / f"{name}.csv"
