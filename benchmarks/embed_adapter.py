@@ -26,15 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from unimae.runtime import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "speed.json"
-
-
-def cpu_model() -> str | None:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return None
 
 
 def token_windows(tokenizer, data_dir: Path, length: int, count: int) -> list[str]:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from unimae.evaluation.reference import load_minilm, minilm_dir
+from unimae.runtime import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -52,16 +53,6 @@ def minilm_dim(model) -> int:
     """Embedding width (sentence-transformers >= 6 renamed the accessor)."""
     getter = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
     return getter()
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
 
 
 def time_pass(encode: Callable[[list[str]], object], sentences: list[str]) -> float:

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from unimae.runtime import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "speed.json"
 PARAGRAPH = (
@@ -62,16 +64,6 @@ ENDINGS = [
     "A painter rented the house for one summer to paint the sea.",
     "Then the automatic lamp stopped working, and the sea was dark again.",
 ]
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
 
 
 @dataclass

@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from embed_throughput import STSB_RELATIVE, cpu_model, default_data_dir, load_sentences  # noqa: E402
+from embed_throughput import STSB_RELATIVE, default_data_dir, load_sentences  # noqa: E402
+
+from unimae.runtime import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "llama.cpp-export"

@@ -44,9 +44,12 @@ from pathlib import Path
 import httpx
 import psutil
 
+from unimae.runtime import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 HOSTILE_OUTPUT = ROOT / "results" / "load-test.json"
+RAG_OUTPUT = ROOT / "results" / "rag-benchmark.json"
 STSB_RELATIVE = Path("sts/STSBenchmark/test.jsonl")
 PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is", "A haiku about rain:"]
 
@@ -373,6 +376,22 @@ def rag_worker(mode: str, args) -> dict:
     return result
 
 
+def record_rag(path: Path, model: str, adapter: str | None, setups: list[dict]) -> None:
+    """Merge this run's RAG setups into ``path`` (``results/rag-benchmark.json``): one entry per setup and
+    model, keyed ``<model>/<mode>``, with ``retrieval_acc1``, answer latency and peak RSS; other models'
+    entries are kept."""
+    from unimae.files import atomic_write_json
+
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    for setup in setups:
+        entry = {"model": model, "adapter": adapter if setup["mode"] == "one" else None, **setup}
+        entry["retrieval_acc1"] = entry.pop("retrieval_acc_at_1")
+        entry["cpu_model"] = cpu_model()
+        table[f"{model}/{setup['mode']}"] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, table)
+
+
 def _max_rss_gb() -> float:
     import resource
 
@@ -408,6 +427,11 @@ def main() -> None:
         default=None,
         help="JSON path (default: benchmarks/results/load_test.json; results/load-test.json with --mix hostile).",
     )
+    parser.add_argument(
+        "--rag-output",
+        default=str(RAG_OUTPUT),
+        help="The RAG setups are also merged into this JSON, one entry per setup and model ('' to skip).",
+    )
     parser.add_argument("--rag-worker", choices=("one", "two"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rag_worker:
@@ -440,6 +464,8 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             payload["rag"].append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(payload["rag"][-1], indent=2))
+        if args.rag_output:
+            record_rag(Path(args.rag_output), args.model, args.adapter, payload["rag"])
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {output}")

@@ -35,18 +35,10 @@ from pathlib import Path
 
 import torch
 
+from unimae.runtime import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "rag_kv_reuse.json"
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
 
 
 def make_query(tokenizer, paragraphs: list[str], length: int) -> str:

@@ -2,7 +2,7 @@
 # One model for RAG: UniMAE -> UniMAE+SimCSE -> supervised contrastive on the [EOS] embedding (the UniMAE
 # paper's App. D stage), causal attention throughout, so the adapter still generates and reuses the KV cache.
 # Then the dev suite and the one-model RAG benchmark.
-#   MODEL=smollm2-135m bash recipes/retrieval.sh
+#   MODEL=smollm2-135m bash recipes/retrieval.sh     (MODEL=gemma3-270m for Gemma-3-270M)
 # Training wall time on 2 idle CPU cores for SmolLM2-135M: about 2.3 h (UniMAE 100 steps ~14 min and SimCSE
 # 60 steps ~10 min, as measured for docs/results.md; supervised 100 steps of batch 256 ~1.8 h, estimated at
 # ~66 s/step: 19.7k tokens per step on average at ~300 tokens/s). Evaluation after it: about 45 min (dev
@@ -11,7 +11,12 @@
 # Every stage resumes: a finished stage (its adapter exists) is skipped, an interrupted one continues from
 # its newest checkpoint (rerun the script), finished evaluation tasks are skipped.
 # The UniMAE and SimCSE stages are the runs of recipes/table1.sh (same RUNS folder and names): shared.
-# Environment: RUNS, OUT, PAIRS (folder for the wiki pairs built here; outside the repository),
+# Results: the final adapter is the row `retrieval-eos` in OUT (results/retrieval-<smollm2|gemma3>), and
+# OUT/summary.json puts it next to `unimae-eos`, `base-echo` and `all-MiniLM-L6-v2` as scored in DEV
+# (results/dev-<smollm2|gemma3>, by recipes/table1.sh from the same RUNS/unimae adapter; read there, not
+# re-scored). The generation suite (every item) goes to results/generation-<short>/retrieval, and the RAG
+# benchmark (one model vs MiniLM + the same LLM) into results/rag-benchmark.json.
+# Environment: RUNS, OUT, DEV, PAIRS (folder for the wiki pairs built here; outside the repository),
 # SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (100), SUP_BATCH (256), SUP_CHUNK
 # (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
 # SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), WIKI (1: add inverse-cloze
@@ -21,7 +26,9 @@ set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
 RUNS=${RUNS:-runs/$MODEL}
-OUT=${OUT:-results/retrieval-$MODEL}
+SHORT=${MODEL%%-*}  # smollm2-135m -> smollm2, gemma3-270m -> gemma3
+OUT=${OUT:-results/retrieval-$SHORT}
+DEV=${DEV:-results/dev-$SHORT}
 PAIRS=${PAIRS:-../data-pairs}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -35,6 +42,7 @@ SUP_FLAGS=${SUP_FLAGS:-}
 WIKI=${WIKI:-1}
 TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
+GENERATION=${GENERATION:-1}
 
 train() {  # name, then train flags; resumes an interrupted run
   local name=$1; shift
@@ -73,16 +81,20 @@ train "$sup" --method contrastive --init-adapter "$init" --data "$files" --data-
   --steps "$SUP_STEPS" --batch-size "$SUP_BATCH" --micro-batch-size "$SUP_BATCH" --grad-cache-chunk "$SUP_CHUNK" \
   --max-length "$SUP_MAX_LENGTH" --save-every 5 $SUP_FLAGS
 
+final=$RUNS/$sup/adapter
 if [ -n "$TASKS" ]; then
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
-  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/$sup/adapter" --tasks $TASKS --data-dir "$DATA" \
-    --output-dir "$OUT" --label "$sup-eos"
+  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
+    --output-dir "$OUT" --label retrieval-eos
   # shellcheck disable=SC2086
-  $UNIMAE evaluate embeddings --model "$MODEL" --reference --tasks $TASKS --data-dir "$DATA" --output-dir "$OUT"
-  # shellcheck disable=SC2086
-  $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name retrieval --labels "$sup-eos" all-MiniLM-L6-v2
+  $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
+    "unimae-eos=$DEV/unimae-eos" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
+fi
+if [ "$GENERATION" = 1 ] && [ ! -f "results/generation-$SHORT/retrieval/generation.json" ]; then
+  $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
+    --output-dir "results/generation-$SHORT/retrieval"
 fi
 if [ "$RAG_QUESTIONS" -gt 0 ]; then
-  $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$RUNS/$sup/adapter" --skip-server \
-    --questions "$RAG_QUESTIONS" --output "$OUT/rag-$sup.json"
+  $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$final" --skip-server \
+    --questions "$RAG_QUESTIONS" --output "$OUT/rag.json"
 fi
