@@ -279,6 +279,27 @@ def test_summary_averages_come_from_the_task_jsons(tiny_model_dirs, tiny_encoder
         write_summary(other, ["=" + str(tmp_path / "m")], tasks)
 
 
+@needs_data
+def test_a_label_evaluated_for_another_model_sets_the_old_results_aside(tiny_encoder, data_slice, tmp_path):
+    """Task-by-task runs of a new model under an old label never reuse the old model's task JSONs."""
+    from unimae.evaluation.embeddings import evaluate_embeddings
+
+    def run(model, task):
+        return evaluate_embeddings(model, [task], tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
+
+    run("first", "STSBenchmark")
+    run("first", "STS17")
+    assert "STS17" not in run("first", "STS17").runtimes  # same model: resumed, not re-run
+    run("second", "STSBenchmark")
+    folder = tmp_path / "m"
+    assert not (folder / "STS17.json").exists()
+    (aside,) = folder.glob("superseded-*")
+    assert (aside / "STS17.json").is_file() and json.loads((aside / "run.json").read_text())["model"] == "first"
+    assert "STS17" in run("second", "STS17").runtimes  # evaluated for the new model
+    record = json.loads((folder / "run.json").read_text())
+    assert record["model"] == "second" and set(record["tasks"]) == {"STSBenchmark", "STS17"}
+
+
 def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder, tmp_path):
     from unimae.evaluation.embeddings import evaluate_embeddings
     from unimae.evaluation.summary import write_summary

@@ -166,6 +166,8 @@ def evaluate_model_on_tasks(
 
     A task whose result JSON already exists under ``output_dir/label`` from a run of the same model
     (same ``meta``) is not run again unless ``rerun``: an interrupted suite resumes where it stopped.
+    Results that the folder holds from another model (another adapter revision, pooling, ...) are moved
+    to ``superseded-<time>/`` first (see :func:`set_aside_other_model`), so one row never mixes two models.
     """
     import mteb
     from mteb.results import TaskResult
@@ -176,6 +178,9 @@ def evaluate_model_on_tasks(
     previous = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     defaults = {"attention": "causal"}  # results written before a key existed
     same_model = bool(previous) and all(previous.get(k, defaults.get(k)) == v for k, v in meta.items())
+    if previous and not same_model:
+        set_aside_other_model(out)
+        previous = {}
     for name in expand_tasks(tasks):
         done = out / f"{name}.json"
         if done.is_file() and same_model and not rerun:
@@ -224,6 +229,26 @@ def evaluate_model_on_tasks(
         },
     )
     return run
+
+
+def set_aside_other_model(out: Path) -> Path:
+    """Move the task results and ``run.json`` of the model that ``out`` held before into
+    ``out/superseded-<UTC time>/`` (nothing is deleted) and return that folder.
+
+    Without this, evaluating a new adapter task by task under an old label would leave the old adapter's
+    other task JSONs in place, and once the new ``run.json`` was written they would pass for the new one's.
+    """
+    stamp = time.strftime("superseded-%Y%m%d-%H%M%S", time.gmtime())
+    aside, n = out / stamp, 1
+    while aside.exists():
+        n += 1
+        aside = out / f"{stamp}-{n}"
+    aside.mkdir()
+    moved = [path for path in out.glob("*.json") if path.is_file()]
+    for path in moved:
+        path.rename(aside / path.name)
+    logger.warning("%s held another model's results; moved them (%d files, run.json too) to %s", out, len(moved), aside)
+    return aside
 
 
 def default_label(model: str, adapter: str | None, pooling: str) -> str:
