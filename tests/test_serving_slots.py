@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -175,3 +176,61 @@ def test_a_client_leaving_the_stream_cancels_the_generation_and_releases_its_slo
     first, slots, cancel = asyncio.run(main())
     assert _events([first]) == [{"text": "x"}]
     assert cancel.is_set() and (slots.running, slots.waiting) == (0, 0)
+
+
+def _one_piece():
+    yield "x"
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_client_leaving_before_the_stream_starts_gives_back_its_queue_place(spec_version):
+    """The route reserved a place; the client is gone before the body runs (the first send fails, or the
+    disconnect arrives first): the response gives the place back, so the queue does not shrink for ever."""
+    from starlette.requests import ClientDisconnect
+
+    from unimae.serving.sse import sse_response
+
+    async def main():
+        slots, cancel = GenerationSlots(max_running=1, max_queued=1), threading.Event()
+        slots.reserve()
+        response = sse_response(sse_events(slots, _one_piece, lambda x: {"text": x}, cancel), slots)
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if spec_version == "2.4":
+                raise OSError("connection reset")  # ASGI 2.4: the server raises on send to a gone client
+            await asyncio.Event().wait()  # before 2.4: the send hangs until the disconnect cancels it
+
+        scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+        with contextlib.suppress(ClientDisconnect):
+            await response(scope, receive, send)
+        return slots
+
+    slots = asyncio.run(main())
+    assert (slots.running, slots.waiting) == (0, 0)
+
+
+def test_a_stream_that_ran_gives_back_its_place_once():
+    """After a full stream the reservation is consumed by hold(), not given back a second time."""
+    from unimae.serving.sse import sse_response
+
+    async def main():
+        slots, cancel = GenerationSlots(max_running=1, max_queued=1), threading.Event()
+        slots.reserve()
+        response = sse_response(sse_events(slots, _one_piece, lambda x: {"text": x}, cancel), slots)
+        sent = []
+
+        async def receive():
+            await asyncio.Event().wait()  # the client never leaves
+
+        async def send(message):
+            sent.append(message)
+
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return slots, sent
+
+    slots, sent = asyncio.run(main())
+    assert (slots.running, slots.waiting) == (0, 0)
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}

@@ -6,7 +6,8 @@ Taking a slot is two steps, so that a stream can still be refused with a 429 bef
 2. ``async with slots.hold():`` where the generation runs (in the handler, or in the stream's body):
    waits for a free slot, holds it until the block ends, however it ends (error, client gone).
 
-Every ``reserve()`` is followed by exactly one ``hold()``.
+Every ``reserve()`` is followed by exactly one ``hold()``, or by ``unreserve()`` when a stream's body
+never starts (:class:`unimae.serving.sse.SSEResponse`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class GenerationSlots:
         if self._free.locked() and self.waiting >= self.max_queued:
             raise APIError(429, "too many generation requests are waiting; retry later", code="server_busy")
         self.waiting += 1
+
+    def unreserve(self) -> None:
+        """Give back a place that will never be held: its stream's body never started (the client left)."""
+        self.waiting -= 1
 
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:

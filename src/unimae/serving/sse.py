@@ -28,8 +28,30 @@ def sse_frame(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
 
-def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")
+class SSEResponse(StreamingResponse):
+    """The streamed response of ``events`` (from :func:`sse_events`, whose place in ``slots`` the route
+    reserved). A client that leaves before the body starts (e.g. while the headers are sent) would leave
+    that place reserved for ever, since the body's ``hold()`` never runs: then it is given back here."""
+
+    def __init__(self, events: AsyncIterator[bytes], slots: GenerationSlots):
+        self._slots, self._started = slots, False
+        super().__init__(self._body(events), media_type="text/event-stream")
+
+    async def _body(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        self._started = True  # from here on, the body's hold() gives the place back however it ends
+        async for chunk in events:
+            yield chunk
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._started:
+                self._slots.unreserve()
+
+
+def sse_response(events: AsyncIterator[bytes], slots: GenerationSlots) -> StreamingResponse:
+    return SSEResponse(events, slots)
 
 
 async def sse_events(

@@ -57,7 +57,7 @@ async def completions(request: Request, state: StateDep) -> dict | StreamingResp
     chunk = functools.partial(_completion_chunk, _Reply.new("cmpl", state.config.model_name))
     if body.stream:
         state.slots.reserve()
-        return sse_response(_stream(state, ids, params, chunk))
+        return sse_response(_stream(state, ids, params, chunk), state.slots)
     result = await _generate(state, ids, params)
     return {**chunk(result.text, result.finish_reason), "usage": _usage(result)}
 
@@ -75,7 +75,8 @@ async def chat(request: Request, state: StateDep) -> dict | StreamingResponse:
     if body.stream:
         state.slots.reserve()
         role = _chat_chunk(reply, None, None, role=True)  # the first chunk only says who speaks
-        return sse_response(_stream(state, ids, params, functools.partial(_chat_chunk, reply), first=[role]))
+        stream = _stream(state, ids, params, functools.partial(_chat_chunk, reply), first=[role])
+        return sse_response(stream, state.slots)
     result = await _generate(state, ids, params)
     message = {"role": "assistant", "content": result.text}
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}

@@ -48,7 +48,7 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
     )
     model = state.config.model_name
     if body.stream:
-        return sse_response(sse_events(state.slots, run, functools.partial(_event, model), cancel))
+        return sse_response(sse_events(state.slots, run, functools.partial(_event, model), cancel), state.slots)
     async with state.slots.hold():
         try:
             answer = await run_in_threadpool(_last_answer, run)
