@@ -155,18 +155,24 @@ def write_gguf(
         if out_type == "q8_0":
             writer.add_quantization_version(2)
         writer.add_pooling_type(PoolingType.LAST)
-        for key, value, vtype in unimae_keys(tokenizer, spec, extra or {}):
-            writer.add_key_value(key, value, vtype)
-        for name, array, raw_type in tensors:
-            writer.add_tensor(name, array, raw_dtype=raw_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish_gguf(writer, unimae_keys(tokenizer, spec, extra or {}), tensors)
 
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(out, write)
+
+
+def finish_gguf(writer, keys: list[tuple], tensors) -> None:
+    """Add ``keys`` ((key, value, type) triples) and ``tensors`` ((name, array, raw type)) to ``writer``,
+    write the file and close it: the last steps of every GGUF unimae writes (model and LoRA adapter)."""
+    for key, value, vtype in keys:
+        writer.add_key_value(key, value, vtype)
+    for name, array, raw_type in tensors:
+        writer.add_tensor(name, array, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def unimae_keys(tokenizer, spec: EmbeddingSpec, extra: dict[str, str]) -> list[tuple]:

@@ -37,6 +37,7 @@ from unimae.gguf_export import (
     arch_rule,
     encode_tensor,
     file_types,
+    finish_gguf,
     gguf_tensor_name,
     llama_cpp_rows,
     tensor_name_map,
@@ -87,14 +88,7 @@ def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path,
         writer.add_string(Keys.Adapter.TYPE, "lora")
         writer.add_float32(Keys.Adapter.LORA_ALPHA, 0.0)  # peft's scaling is folded into lora_b
         writer.add_file_type(int(file_types()[out_type][1]))
-        for key, value, vtype in unimae_keys(tokenizer, spec, extra):
-            writer.add_key_value(key, value, vtype)
-        for name, array, raw_type in tensors:
-            writer.add_tensor(name, array, raw_dtype=raw_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish_gguf(writer, unimae_keys(tokenizer, spec, extra), tensors)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(out, write)
