@@ -393,6 +393,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default=d.precision, choices=["auto", "bf16", "fp32"])
     parser.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch's default).")
     parser.add_argument("--output", type=Path, default=RESULTS / "train_step.json")
+    parser.add_argument(
+        "--speed-json",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "results" / "speed.json",
+        help="Also merge s/step and tokens/s per model into this file's \"train\" key ('' to skip).",
+    )
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -418,6 +424,29 @@ def main() -> None:
     report = {"settings": settings, "cpu": peak, "results": results}
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.output}")
+    if str(args.speed_json):
+        record_speed(args.speed_json, results, peak)
+
+
+def record_speed(path: Path, results: list[dict], peak: dict) -> None:
+    """Merge each model's s/step and tokens/s into ``path`` under ``"train"`` (other keys kept)."""
+    from unimae.files import atomic_write_json
+
+    speed = json.loads(path.read_text()) if path.is_file() else {}
+    train = speed.get("train", {})
+    for r in results:
+        train[r["model"]] = {
+            "s_per_step": r["step_seconds_mean"],
+            "tokens_per_s": r["tokens_per_s"],
+            "precision": r["precision"],
+            "batch_size": r["batch_size"],
+            "max_length": r["max_length"],
+            "timed_steps": r["timed_steps"],
+            "cpu_model": peak["cpu_model"],
+        }
+    speed["train"] = train
+    atomic_write_json(path, speed)
+    print(f'merged into {path} ("train")')
 
 
 if __name__ == "__main__":

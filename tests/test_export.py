@@ -1,5 +1,7 @@
 """Exports load offline in sentence-transformers / transformers and give unimae's embeddings."""
 
+import json
+
 import pytest
 from conftest import SENTENCES
 
@@ -21,6 +23,12 @@ def test_sentence_transformers_export_matches_unimae(tiny_model_dirs, arch, tmp_
     assert theirs.shape == ours.shape
     assert (ours * theirs).sum(1).min() >= 0.9999
     assert "Pooling" in (out / "README.md").read_text() or "pooling" in (out / "README.md").read_text().lower()
+    # last-token pooling in both formats: "pooling_mode" (sentence-transformers >= 5.4) and the old flags
+    # that older readers (vLLM's pooler detection among them) look for; the folder above loaded with both
+    (pooling_config,) = out.glob("*_Pooling/config.json")
+    config = json.loads(pooling_config.read_text())
+    assert config.get("pooling_mode", "lasttoken") == "lasttoken" and config["pooling_mode_lasttoken"] is True
+    assert config["pooling_mode_mean_tokens"] is False
 
 
 def test_hf_export_loads_in_transformers_and_refuses_overwrite(tiny_model_dirs, tmp_path):

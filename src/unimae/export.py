@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -161,6 +162,24 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode=mode)
     SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine").save(str(out))
     shutil.rmtree(transformer_dir)
+    add_legacy_pooling_keys(out, mode)
+
+
+# sentence-transformers < 5.4 (and vLLM before it learned the new format) read the pooling from these flags.
+LEGACY_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+
+
+def add_legacy_pooling_keys(out: Path, mode: str) -> None:
+    """Write the pooling into ``1_Pooling/config.json`` in the old flag format too (``"pooling_mode_lasttoken":
+    true``) beside the ``"pooling_mode"`` key that sentence-transformers >= 5.4 writes: readers that only know
+    the old keys (vLLM's pooler detection before its support for the new format) then still see last-token
+    pooling; sentence-transformers >= 5.4 ignores the old keys when ``pooling_mode`` is present."""
+    for config_path in out.glob("*_Pooling/config.json"):
+        config = json.loads(config_path.read_text())
+        if "pooling_mode" not in config:
+            continue  # an older sentence-transformers wrote the flags itself
+        config.update({key: name == mode for name, key in LEGACY_POOLING_KEYS.items()})
+        atomic_write_json(config_path, config)
 
 
 def _save_gguf(model: str, adapter: str | None, out: Path, spec: EmbeddingSpec, gguf_type: str) -> Path:
