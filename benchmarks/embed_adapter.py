@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from unimae.adapter import skip_input_upcast
 from unimae.runtime import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,14 +51,6 @@ def token_windows(tokenizer, data_dir: Path, length: int, count: int) -> list[st
     return texts
 
 
-def set_upcast(encoder, on: bool) -> None:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for module in encoder.model.modules():
-        if isinstance(module, BaseTunerLayer):
-            module.cast_input_dtype_enabled = on
-
-
 def timed(encoder, texts: list[str], batch_size: int) -> tuple[float, np.ndarray]:
     start = time.perf_counter()
     embeddings = encoder.encode(texts, batch_size=batch_size)
@@ -67,13 +60,13 @@ def timed(encoder, texts: list[str], batch_size: int) -> tuple[float, np.ndarray
 def measure(setups: dict, texts: list[str], args) -> dict:
     """{setup: median seconds} over ``args.repeats`` alternating rounds, and whether unmerged runs agree."""
     for encoder, upcast in setups.values():
-        set_upcast(encoder, upcast)
+        skip_input_upcast(encoder.model, skip=not upcast)
         encoder.encode(texts[: args.batch_size], batch_size=args.batch_size)  # warm-up
     seconds: dict[str, list[float]] = {name: [] for name in setups}
     outputs: dict[str, np.ndarray] = {}
     for _ in range(args.repeats):
         for name, (encoder, upcast) in setups.items():
-            set_upcast(encoder, upcast)
+            skip_input_upcast(encoder.model, skip=not upcast)
             took, outputs[name] = timed(encoder, texts, args.batch_size)
             seconds[name].append(took)
     same = bool(np.array_equal(outputs["unmerged"], outputs["unmerged-peft-upcast"]))
@@ -103,7 +96,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     from unimae.encoder import Encoder
-    from unimae.files import atomic_write_json
+    from unimae.files import update_json
 
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -141,9 +134,7 @@ def main() -> None:
             name: by_length[long]["tokens_per_s"][name] / by_length[short]["tokens_per_s"][name] for name in setups
         },
     }
-    speed = json.loads(args.output.read_text()) if args.output.is_file() else {}
-    speed["embedding_adapter"] = summary
-    atomic_write_json(args.output, speed)
+    update_json(args.output, {"embedding_adapter": summary})
     print(f"wrote {args.output} (embedding_adapter); CPU: {summary['cpu_model']}")
 
 

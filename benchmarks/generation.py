@@ -31,7 +31,6 @@ their median. Both use ``--threads`` threads (default: all cores this process ma
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from unimae.files import update_json
 from unimae.runtime import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,16 +271,6 @@ def ratios(ours: list[dict], theirs: list[dict]) -> dict:
     }
 
 
-def write_merged(path: Path, update: dict) -> None:
-    """Write ``update``'s keys into the JSON object at ``path``, keeping every other key already there."""
-    current = json.loads(path.read_text()) if path.is_file() else {}
-    current.update(update)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(current, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -362,7 +352,7 @@ def main() -> None:
         "machine": machine,
         "llama_cpp_by_type": {t: {k: v for k, v in e.items() if k != "rounds"} for t, e in by_type.items()},
     }
-    write_merged(args.output, update)
+    update_json(args.output, update)
     print(
         f"\nCPU: {machine['cpu_model']} ({machine['cores']} cores, load {loadavg_before} -> {machine['loadavg_after']})"
     )

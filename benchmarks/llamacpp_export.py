@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embed_throughput import STSB_RELATIVE, default_data_dir, load_sentences  # noqa: E402
 
+from unimae.files import update_json
 from unimae.runtime import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,16 +223,6 @@ def ratios(engines: dict) -> dict:
     return out
 
 
-def merge_into(path: Path, value: dict) -> None:
-    """Write ``value`` under KEY in the JSON file at ``path``, keeping its other keys."""
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[KEY] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="unimae --model.")
@@ -285,7 +276,7 @@ def main() -> None:
     import xllamacpp
 
     report["llama_cpp_build"] = {"xllamacpp": xllamacpp.__version__, "cpu_features": xllamacpp.get_system_info()}
-    merge_into(args.output, report)
+    update_json(args.output, {KEY: report})
     print(json.dumps(report["ratios"], indent=2))
     print(f"wrote {args.output} [{KEY!r}]")
 

@@ -380,16 +380,15 @@ def record_rag(path: Path, model: str, adapter: str | None, setups: list[dict]) 
     """Merge this run's RAG setups into ``path`` (``results/rag-benchmark.json``): one entry per setup and
     model, keyed ``<model>/<mode>``, with ``retrieval_acc1``, answer latency and peak RSS; other models'
     entries are kept."""
-    from unimae.files import atomic_write_json
+    from unimae.files import update_json
 
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    entries = {}
     for setup in setups:
         entry = {"model": model, "adapter": adapter if setup["mode"] == "one" else None, **setup}
         entry["retrieval_acc1"] = entry.pop("retrieval_acc_at_1")
         entry["cpu_model"] = cpu_model()
-        table[f"{model}/{setup['mode']}"] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, table)
+        entries[f"{model}/{setup['mode']}"] = entry
+    update_json(path, entries)
 
 
 def _max_rss_gb() -> float:

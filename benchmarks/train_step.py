@@ -430,10 +430,9 @@ def main() -> None:
 
 def record_speed(path: Path, results: list[dict], peak: dict) -> None:
     """Merge each model's s/step and tokens/s into ``path`` under ``"train"`` (other keys kept)."""
-    from unimae.files import atomic_write_json
+    from unimae.files import update_json
 
-    speed = json.loads(path.read_text()) if path.is_file() else {}
-    train = speed.get("train", {})
+    train = {}
     for r in results:
         train[r["model"]] = {
             "s_per_step": r["step_seconds_mean"],
@@ -444,8 +443,7 @@ def record_speed(path: Path, results: list[dict], peak: dict) -> None:
             "timed_steps": r["timed_steps"],
             "cpu_model": peak["cpu_model"],
         }
-    speed["train"] = train
-    atomic_write_json(path, speed)
+    update_json(path, train, under="train")
     print(f'merged into {path} ("train")')
 
 

@@ -102,7 +102,7 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         ) from err
 
 
-def skip_input_upcast(model) -> None:
+def skip_input_upcast(model, skip: bool = True) -> None:
     """Stop peft casting each LoRA layer's input to the adapter's dtype, for a model run under bf16 autocast.
 
     Unmerged LoRA keeps its weights in float32 (trained, or loaded as trained) beside a bf16 base, so peft
@@ -110,13 +110,13 @@ def skip_input_upcast(model) -> None:
     ``lora_A`` product: two copies of the layer's activations (and of their gradients in training) for no
     change in the numbers (bf16 -> fp32 -> bf16 is exact; in training, LoRA dropout then acts on the bf16
     input, one rounding of ``x / (1 - p)`` either way). Call only where the model always runs under
-    bf16 autocast; a float32 run has nothing to cast.
+    bf16 autocast; a float32 run has nothing to cast. ``skip=False`` restores peft's cast (for comparisons).
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
-            module.cast_input_dtype_enabled = False
+            module.cast_input_dtype_enabled = not skip
 
 
 def load_with_adapter(model: str, adapter: str | Path | None, dtype: torch.dtype, merge: bool = False):

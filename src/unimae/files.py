@@ -33,6 +33,19 @@ def atomic_write_json(path: str | Path, payload) -> Path:
     return atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
+def update_json(path: str | Path, updates: dict, under: str | None = None) -> Path:
+    """Write ``updates``' keys into the JSON object at ``path`` (into its ``under`` object when given), keeping
+    every other key: how results files that several commands share (``results/speed.json``) are extended."""
+    path = Path(path)
+    data = read_json(path) if path.is_file() else {}
+    if under is None:
+        data.update(updates)
+    else:
+        data[under] = {**data.get(under, {}), **updates}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_json(path, data)
+
+
 def read_json(path: str | Path, what: str = "JSON file") -> dict:
     """Parse a JSON file; a malformed one is a ValueError naming the file and the position."""
     path = Path(path)
