@@ -97,14 +97,49 @@ def test_llama_family_takes_the_lean_step(tiny_model_dirs):
         assert LlamaStep.supports(model, start_cache(model, 16)) is lean, arch
 
 
+@pytest.fixture
+def one_query_attention_in_fp32(monkeypatch):
+    """The model's own SDPA attention computing one-query steps in fp32, as unimae's decode step does
+    (``decoding._one_query_attention``); longer queries (prefill, embeddings) unchanged."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, *args, **kwargs):
+        if query.shape[2] != 1 or query.dtype == torch.float32:
+            return sdpa(module, query, key, value, *args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            out, weights = sdpa(module, query.float(), key.float(), value.float(), *args, **kwargs)
+        return out.to(query.dtype), weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", attention)
+
+
 @pytest.mark.skipif(not packed_supported(torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
-def test_bf16_packed_step_matches_generate(tiny_dir, lora):
-    """bf16 weights under autocast: the packed oneDNN products equal F.linear's, so tokens match too."""
+def test_bf16_packed_step_matches_generate(tiny_dir, lora, one_query_attention_in_fp32):
+    """bf16 weights under autocast: the packed oneDNN products equal F.linear's, so tokens match ``generate``'s
+    once its one-query attention runs in fp32 too."""
     model, tokenizer = _load(tiny_dir, lora, dtype=torch.bfloat16)
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         assert _fast(model, tokenizer, ids, precision="bf16") == _reference(model, tokenizer, ids, precision="bf16")
+
+
+def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
+    from unimae.decoding import _one_query_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, 1, 16).bfloat16()  # (1, H, 1, hd)
+    keys, values = torch.randn(1, 2, 40, 16).bfloat16(), torch.randn(1, 2, 40, 16).bfloat16()  # (1, H_kv, T, hd)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float(), values.float(), scale=0.25, enable_gqa=True
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _one_query_attention(q, keys, values, 0.25, {"enable_gqa": True})
+        in_bf16 = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=0.25, enable_gqa=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, exact.bfloat16())
+    assert (out.float() - exact).abs().max() <= (in_bf16.float() - exact).abs().max()
 
 
 @pytest.mark.skipif(not packed_supported(torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
