@@ -290,7 +290,7 @@ def server_load_test(args) -> dict:
 
 
 def rag_worker(mode: str, args) -> dict:
-    """One RAG setup in this process: 'one' (SmolLM2 embeds and answers) or 'two' (MiniLM + SmolLM2)."""
+    """One RAG setup in this process: 'one' (the LLM embeds and answers) or 'two' (MiniLM + the same LLM)."""
     import numpy as np
 
     from unimae.corpus import load_passages
@@ -353,7 +353,7 @@ def rag_worker(mode: str, args) -> dict:
     seconds = [r["seconds"] for r in rows]
     result = {
         "mode": mode,
-        "models": "SmolLM2 (embed + generate)" if mode == "one" else "all-MiniLM-L6-v2 + SmolLM2",
+        "models": f"{args.model} (embed + generate)" if mode == "one" else f"all-MiniLM-L6-v2 + {args.model}",
         "load_s": round(build_start - load_start, 1),
         "index_build_s": round(build, 1),
         "questions": len(rows),

@@ -3,11 +3,10 @@
 # paper's App. D stage), causal attention throughout, so the adapter still generates and reuses the KV cache.
 # Then the dev suite and the one-model RAG benchmark.
 #   MODEL=smollm2-135m bash recipes/retrieval.sh     (MODEL=gemma3-270m for Gemma-3-270M)
-# Training wall time on 2 idle CPU cores for SmolLM2-135M: about 2.3 h (UniMAE 100 steps ~14 min and SimCSE
-# 60 steps ~10 min, as measured for docs/results.md; supervised 100 steps of batch 256 ~1.8 h, estimated at
-# ~66 s/step: 19.7k tokens per step on average at ~300 tokens/s). Evaluation after it: about 45 min (dev
-# suite, SciFact most of it; MiniLM reference) + a few minutes (RAG). See docs/methods.md, "Supervised
-# contrastive".
+# Training wall time for SmolLM2-135M on 2 CPU cores (AMD EPYC, measured): about 1.9 h. UniMAE 100 steps 994 s,
+# SimCSE 60 steps 524 s, supervised 80 steps of batch 256 5,334 s (1.46M tokens, 274 tokens/s; 67 s/step, wiki and
+# medquad batches ~100 s). Evaluation after it: about 40 min (dev suite, SciFact most of it) + a few minutes (RAG).
+# See docs/methods.md, "Supervised contrastive".
 # Every stage resumes: a finished stage (its adapter exists) is skipped, an interrupted one continues from
 # its newest checkpoint (rerun the script), finished evaluation tasks are skipped.
 # The UniMAE and SimCSE stages are the runs of recipes/table1.sh (same RUNS folder and names): shared.
@@ -17,7 +16,7 @@
 # re-scored). The generation suite (every item) goes to results/generation-<short>/retrieval, and the RAG
 # benchmark (one model vs MiniLM + the same LLM) into results/rag-benchmark.json.
 # Environment: RUNS, OUT, DEV, PAIRS (folder for the wiki pairs built here; outside the repository),
-# SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (100), SUP_BATCH (256), SUP_CHUNK
+# SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (80), SUP_BATCH (256), SUP_CHUNK
 # (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
 # SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), WIKI (1: add inverse-cloze
 # pairs from pretrain/; 0: only the 8 files of train/), TASKS (dev suite by default; "" skips evaluation),
@@ -33,7 +32,7 @@ PAIRS=${PAIRS:-../data-pairs}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
 PYTHON=${PYTHON:-.venv/bin/python}
 SIMCSE_STEPS=${SIMCSE_STEPS:-60}
-SUP_STEPS=${SUP_STEPS:-100}
+SUP_STEPS=${SUP_STEPS:-80}
 SUP_BATCH=${SUP_BATCH:-256}
 SUP_CHUNK=${SUP_CHUNK:-32}
 SUP_MAX_LENGTH=${SUP_MAX_LENGTH:-128}

@@ -26,6 +26,11 @@ options. Paths are relative to the repository root. Sources:
 ``generation``
     lm-eval results written by ``unimae evaluate generation``: ``rows: {shown name: .../generation.json}``,
     optional ``tasks``. One column per task with its accuracies (x 100) and perplexities.
+``rag``
+    The RAG benchmark's entries (``results/rag-benchmark.json``, written by ``benchmarks/load_test.py``):
+    one row per ``<model>/<mode>`` entry (``entries: [...]`` picks and orders them; default all) with its
+    models, index build time, seconds per question, retrieval acc@1 and peak RSS. ``file`` names another
+    JSON of the same layout.
 
 Every source also takes ``caption``, a line printed under the table. For example::
 
@@ -61,7 +66,19 @@ CLOSE_LINE = re.compile(r"^<!-- /report -->", re.MULTILINE)
 SUMMARY_OPTIONS = {"labels", "tasks", "exclude", "names", "columns", "caption"}
 AVERAGES_OPTIONS = {"rows", "columns", "caption"}
 GENERATION_OPTIONS = {"rows", "tasks", "caption"}
-LIST_OPTIONS = {"labels", "tasks", "exclude"}
+RAG_OPTIONS = {"entries", "file", "caption"}
+RAG_FILE = "results/rag-benchmark.json"
+# RAG benchmark entry key -> column header, in column order.
+RAG_COLUMNS = {
+    "models": "setup",
+    "index_build_s": "index build (s)",
+    "p50_s": "s per question p50",
+    "p99_s": "p99",
+    "retrieval_acc1": "retrieval acc@1",
+    "peak_rss_gb": "peak RSS (GB)",
+    "cpu_model": "CPU",
+}
+LIST_OPTIONS = {"labels", "tasks", "exclude", "entries"}
 # lm-eval metric key -> (shown name, is an accuracy in [0, 1] shown x 100), in column order.
 GENERATION_METRICS = {
     "acc": ("acc", True),
@@ -123,7 +140,9 @@ def _parse_spec(spec: str, where: str) -> tuple[str, dict]:
 
 def render(marker: Marker, root: Path) -> str:
     """The Markdown that belongs between ``marker``'s pair (the table, then the caption if any)."""
-    kind = {"averages": AVERAGES_OPTIONS, "generation": GENERATION_OPTIONS}.get(marker.source, SUMMARY_OPTIONS)
+    kind = {"averages": AVERAGES_OPTIONS, "generation": GENERATION_OPTIONS, "rag": RAG_OPTIONS}.get(
+        marker.source, SUMMARY_OPTIONS
+    )
     unknown = sorted(set(marker.options) - kind)
     if unknown:
         raise ReportError(f"{marker.where()}: unknown report option(s) {unknown}; this source takes {sorted(kind)}")
@@ -135,6 +154,8 @@ def render(marker: Marker, root: Path) -> str:
         table = _averages(marker, root)
     elif marker.source == "generation":
         table = _generation(marker, root)
+    elif marker.source == "rag":
+        table = _rag(marker, root)
     else:
         table = _summary(marker, root)
     caption = marker.options.get("caption")
@@ -265,6 +286,15 @@ def _generation_value(task_result: dict, metric: str) -> str:
     if value is None:
         return "-"
     return f"{value * 100:.1f}" if GENERATION_METRICS[metric][1] else f"{value:.2f}"
+
+
+def _rag(marker: Marker, root: Path) -> str:
+    source = root / marker.options.get("file", RAG_FILE)
+    data = _load_json(source, marker)
+    entries = _pick(marker.options.get("entries"), list(data), "entries", source, marker)
+    header = ["entry", *RAG_COLUMNS.values()]
+    cells = [[key, *(str(data[key].get(field, "-")) for field in RAG_COLUMNS)] for key in entries]
+    return summary._markdown(header, cells)
 
 
 def update(path: Path, root: Path, write: bool) -> list[Marker]:
