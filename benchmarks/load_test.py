@@ -313,14 +313,16 @@ def rag_worker(mode: str, args) -> dict:
             build = time.perf_counter() - build_start
             rag = RAG(llm, index)
         else:
+            from unimae.embedding_spec import EmbeddingSpec
             from unimae.evaluation.reference import load_minilm
 
             minilm = load_minilm()
             build_start = time.perf_counter()
 
-            class MiniLMEncoder:  # the parts of Encoder that VectorIndex and RAG use
-                pooling, max_length = "eos", 256
-                embedding_dim = minilm.get_sentence_embedding_dimension()
+            class MiniLMEncoder:  # the parts of Encoder that VectorIndex uses
+                spec = EmbeddingSpec(attention="bidirectional", pooling="mean")  # what MiniLM does (recorded only)
+                max_length = 256
+                embedding_dim = minilm.get_embedding_dimension()
 
                 @staticmethod
                 def encode(texts, batch_size=32, normalize=True, show_progress=False):
@@ -460,7 +462,10 @@ def main() -> None:
             ]
             if args.adapter:
                 cmd += ["--adapter", args.adapter]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:  # show why: the worker's own traceback
+                sys.exit(f"the RAG worker '{mode}' failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            out = done.stdout
             payload["rag"].append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(payload["rag"][-1], indent=2))
         if args.rag_output:
