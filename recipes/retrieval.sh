@@ -7,7 +7,6 @@
 # SimCSE 60 steps 524 s, supervised 80 steps of batch 256 5,334 s (1.46M tokens, 274 tokens/s; 67 s/step, wiki and
 # medquad batches ~100 s). Evaluation after it: about 40 min (dev suite, SciFact most of it) + a few minutes (RAG).
 # See docs/methods.md, "Supervised contrastive".
-# SUP_STEPS was 100 before this run was measured.
 # Every stage resumes: a finished stage (its adapter exists) is skipped, an interrupted one continues from
 # its newest checkpoint (rerun the script), finished evaluation tasks are skipped.
 # The UniMAE and SimCSE stages are the runs of recipes/table1.sh (same RUNS folder and names): shared.

@@ -140,9 +140,7 @@ def _parse_spec(spec: str, where: str) -> tuple[str, dict]:
 
 def render(marker: Marker, root: Path) -> str:
     """The Markdown that belongs between ``marker``'s pair (the table, then the caption if any)."""
-    kind = {"averages": AVERAGES_OPTIONS, "generation": GENERATION_OPTIONS, "rag": RAG_OPTIONS}.get(
-        marker.source, SUMMARY_OPTIONS
-    )
+    kind, build = NAMED_SOURCES.get(marker.source, (SUMMARY_OPTIONS, _summary))
     unknown = sorted(set(marker.options) - kind)
     if unknown:
         raise ReportError(f"{marker.where()}: unknown report option(s) {unknown}; this source takes {sorted(kind)}")
@@ -150,14 +148,7 @@ def render(marker: Marker, root: Path) -> str:
         value = marker.options[key]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ReportError(f"{marker.where()}: report option '{key}' must be a list of names, e.g. '{key}: [a, b]'")
-    if marker.source == "averages":
-        table = _averages(marker, root)
-    elif marker.source == "generation":
-        table = _generation(marker, root)
-    elif marker.source == "rag":
-        table = _rag(marker, root)
-    else:
-        table = _summary(marker, root)
+    table = build(marker, root)
     caption = marker.options.get("caption")
     return f"\n\n{table}\n\n" + (f"{caption}\n\n" if caption else "")
 
@@ -295,6 +286,14 @@ def _rag(marker: Marker, root: Path) -> str:
     header = ["entry", *RAG_COLUMNS.values()]
     cells = [[key, *(str(data[key].get(field, "-")) for field in RAG_COLUMNS)] for key in entries]
     return summary._markdown(header, cells)
+
+
+# Sources named by a word -> (their options, their table); any other source is a summary JSON or a folder.
+NAMED_SOURCES = {
+    "averages": (AVERAGES_OPTIONS, _averages),
+    "generation": (GENERATION_OPTIONS, _generation),
+    "rag": (RAG_OPTIONS, _rag),
+}
 
 
 def update(path: Path, root: Path, write: bool) -> list[Marker]:
