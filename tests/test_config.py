@@ -43,6 +43,17 @@ def test_yaml_config_and_bool_flags(tmp_path):
     assert config.steps == 7 and config.merge is False
 
 
+def test_config_file_values_take_their_field_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-4\np_mar: 5e-1\nsteps: 20.0\n")  # YAML 1.1 reads 1e-4 as a string
+    config = resolve_config(_parse(["--config", str(path)]))
+    assert (config.lr, config.p_mar, config.steps) == (1e-4, 0.5, 20) and isinstance(config.steps, int)
+    for bad, key in (("lr: fast\n", "lr"), ("steps: 2.5\n", "steps"), ("merge: 1\n", "merge"), ("- 1\n", "mapping")):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=key):
+            resolve_config(_parse(["--config", str(path)]))
+
+
 def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"batchsize": 3}))
@@ -52,6 +63,8 @@ def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
         resolve_config(argparse.Namespace(recipe="gpu"))
     with pytest.raises(ValueError, match="p_mar"):
         TrainConfig(p_mar=1.5).validate()
+    with pytest.raises(ValueError, match="p_mar_sampling must be one of"):  # choices hold outside argparse too
+        TrainConfig(p_mar_sampling="Uniform").validate()
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
         TrainConfig(batch_size=16, micro_batch_size=8).validate(world_size=3)
 

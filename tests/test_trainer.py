@@ -75,6 +75,15 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_dir, corpus_file, tmp_p
         train(_config(tiny_dir, corpus_file, tmp_path / "empty"), resume=True)
 
 
+def test_resume_with_another_configuration_names_the_mismatch(tiny_dir, corpus_file, tmp_path):
+    out = tmp_path / "run"
+    train(_config(tiny_dir, corpus_file, out, steps=2))
+    with pytest.raises(ValueError, match="missing weights"):  # this run trains a weight the checkpoint lacks
+        train(_config(tiny_dir, corpus_file, out, steps=3, train_mask_token=True), resume=True)
+    with pytest.raises(ValueError, match="other shapes"):
+        train(_config(tiny_dir, corpus_file, out, steps=3, lora_r=8), resume=True)
+
+
 def _signal_during_step(monkeypatch, step: int, batch_size: int, signals: list[int]) -> None:
     """Send ``signals`` to this process while the trainer picks the first example of ``step`` (1-based).
 

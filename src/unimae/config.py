@@ -228,7 +228,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         default=8, metadata={"help": "Texts per forward pass per process; the rest is gradient accumulation."}
     )
     max_length: int = field(default=128, metadata={"help": "Max tokens per text, EOS included (paper: 512)."})
-    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate, constant schedule (paper: 1e-4)."})
+    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate, constant schedule (paper: 1e-4); gem: see --gem-lr-schedule."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (paper: not stated)."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0 turns it off."})
 
@@ -321,8 +321,12 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
                 f"--method {self.method} contrasts each text with the others in its micro-batch; "
                 f"micro_batch_size must be >= 2, got {self.micro_batch_size}"
             )
-        if self.dropout_on not in DROPOUT_PLACES:
-            raise ValueError(f"dropout_on must be 'attention' or 'lora', got {self.dropout_on!r}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and f.name != "method":  # method: checked above, with its registry
+                allowed = choices() if callable(choices) else choices
+                if getattr(self, f.name) not in allowed:
+                    raise ValueError(f"{f.name} must be one of {list(allowed)}, got {getattr(self, f.name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.temperature <= 0:
@@ -367,11 +371,41 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         values = yaml.safe_load(text) or {}
     else:
         values = json.loads(text)
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of TrainConfig fields, got {type(values).__name__}")
+    known = {f.name: f for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"config file {path} has unknown keys {unknown}; known keys: {sorted(known)}")
-    return values
+    return {key: _as_field_type(known[key], value, path) for key, value in values.items()}
+
+
+def _as_field_type(f, value, path: Path):
+    """``value`` read from a config file, as the type of field ``f``'s default.
+
+    YAML reads ``1e-4`` as a string (YAML 1.1 floats need a dot), JSON has no int/float distinction: both
+    are converted here so that a wrong value fails now, naming its key, not inside the optimizer.
+    """
+    kind = type(f.default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    raise ValueError(f"config file {path}: {f.name} must be a {kind.__name__}, got {value!r}")
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, suppress_defaults: bool = False) -> None:

@@ -5,6 +5,14 @@ next step; a training step allocates hundreds of such tensors (logit chunks, act
 sixth of the time went to page faults. Raising the mmap and trim thresholds keeps those blocks
 in the heap for reuse: measured on SmolLM2-135M, one 8x128 UniMAE micro-batch went from 4.7 s
 to 4.0 s and system time from 9.7 s to 2.1 s (benchmarks/README.md).
+
+The price is that freed memory stays in the process: with many differently sized blocks (Gemma-3's
+262k-token output head) the heap fragments and the resident size grows step after step (measured:
+Gemma-3-270M UniMAE was killed by the OOM killer at 24 GB after 47 steps). :func:`release_free_memory`
+hands the free pages back (``malloc_trim``); the trainer calls it after a step only when the process
+holds more than a quarter of the machine's memory, so small runs pay nothing. Measured on Gemma-3-270M
+(AMD EPYC, 2 cores): trimming after every step kept the resident size between steps at 1.4 GB (peaks
+within a step 8.5-9.5 GB), the loss curve unchanged and the step time about the same (19-20 s).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -37,6 +46,36 @@ def tune_allocator(threshold_bytes: int = 1 << 30) -> bool:
     _tuned = ok
     logger.debug("allocator tuning %s", "applied" if ok else "not available")
     return ok
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux ``/proc/self/statm``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def total_memory_bytes() -> int | None:
+    """The machine's physical memory (None where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def release_free_memory(above_share: float = 0.25) -> bool:
+    """Return the heap's free pages to the OS (glibc ``malloc_trim``) if this process holds more than
+    ``above_share`` of the machine's memory. Only needed after :func:`tune_allocator`; returns whether it
+    trimmed."""
+    rss, total = resident_bytes(), total_memory_bytes()
+    if not _tuned or rss is None or total is None or rss <= above_share * total:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc_trim(0)
+    logger.debug("released free heap memory: %.1f GB resident before", rss / 1e9)
+    return True
 
 
 def cpu_model() -> str | None:

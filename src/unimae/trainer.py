@@ -39,7 +39,7 @@ from unimae.files import atomic_write_json, atomic_write_text
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.precision import autocast, resolve_precision, weight_dtype
-from unimae.runtime import tune_allocator
+from unimae.runtime import release_free_memory, resident_bytes, tune_allocator
 from unimae.tokenization import choose_mask_token
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def _read_log(path: Path, upto_step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
 
 
-_STEP_FIELDS = {"step", "grad_norm", "lr", "tokens", "seconds", "tokens_per_s", "elapsed"}  # the rest are losses
+_STEP_FIELDS = {"step", "grad_norm", "lr", "tokens", "seconds", "tokens_per_s", "elapsed", "rss_gb"}  # rest: losses
 
 
 @dataclass
@@ -158,12 +158,16 @@ def _restore(state: dict, out: Path, objective: torch.nn.Module, fingerprint: st
             f"the checkpoint in {out} was trained on another base model ({state['model']}); "
             f"pass --model {state['model']} to resume it"
         )
-    missing = set(state["trainable"]) - set(objective.state_dict())
-    if missing:
-        raise ValueError(
-            f"checkpoint in {out} does not match this configuration (unknown weights such as "
-            f"{sorted(missing)[:3]}); resume with the run's own config.json"
-        )
+    ours = {n: p for n, p in objective.named_parameters() if p.requires_grad}
+    unknown = sorted(set(state["trainable"]) - set(ours))
+    absent = sorted(set(ours) - set(state["trainable"]))
+    reshaped = sorted(k for k in set(ours) & set(state["trainable"]) if ours[k].shape != state["trainable"][k].shape)
+    for problem, names in (("unknown weights", unknown), ("missing weights", absent), ("other shapes", reshaped)):
+        if names:
+            raise ValueError(
+                f"checkpoint in {out} does not match this configuration ({problem} such as {names[:3]}); "
+                "resume with the run's own config.json"
+            )
     objective.load_state_dict(state["trainable"], strict=False)
 
 
@@ -268,6 +272,7 @@ def _train_step(run: _Run, step: int) -> dict:
             totals[key] = totals.get(key, 0.0) + value.item() / run.accum
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
     grad_norm = float(acc.clip_grad_norm_(run.params, max_norm))
+    lr = run.scheduler.get_last_lr()[0]  # the rate this step uses (read before the scheduler moves on)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -278,7 +283,7 @@ def _train_step(run: _Run, step: int) -> dict:
     record = {"step": step + 1, **{k: stats[i].item() / world for i, k in enumerate(keys)}}
     record.update(
         grad_norm=grad_norm,
-        lr=run.scheduler.get_last_lr()[0],
+        lr=lr,
         tokens=int(stats[-1].item()),
         seconds=round(seconds, 4),
         tokens_per_s=round(stats[-1].item() / seconds, 1),
@@ -361,6 +366,10 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
             record = _train_step(run, step)
             step += 1
             record["elapsed"] = round(time.perf_counter() - t0, 2)
+            release_free_memory()  # only when the heap has grown past a quarter of the machine (runtime.py)
+            rss = resident_bytes()
+            if rss is not None:
+                record["rss_gb"] = round(rss / 1e9, 2)
             if run.main:
                 with open(log_path, "a") as log:
                     log.write(json.dumps(record) + "\n")
