@@ -14,6 +14,7 @@ from conftest import SENTENCES
 
 from unimae.decoding import (
     LlamaStep,
+    PreallocatedLayer,
     decode_tokens,
     eos_token_ids,
     packed_supported,
@@ -124,6 +125,20 @@ def test_bf16_packed_step_matches_generate(tiny_dir, lora, one_query_attention_i
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         assert _fast(model, tokenizer, ids, precision="bf16") == _reference(model, tokenizer, ids, precision="bf16")
+
+
+def test_preallocated_layer_crop_rewinds_the_write_position():
+    layer = PreallocatedLayer(capacity=6)
+    k, v = torch.arange(4.0).view(1, 1, 4, 1), -torch.arange(4.0).view(1, 1, 4, 1)  # (B, H_kv, T, D)
+    layer.update(k, v)
+    layer.crop(-2)
+    assert layer.get_seq_length() == 2 and layer.keys.shape[2] == 2
+    keys, values = layer.update(torch.full((1, 1, 1, 1), 9.0), torch.full((1, 1, 1, 1), -9.0))
+    assert keys.flatten().tolist() == [0.0, 1.0, 9.0] and values.flatten().tolist() == [0.0, -1.0, -9.0]
+    layer.reset()
+    assert layer.get_seq_length() == 0
+    with pytest.raises(NotImplementedError, match="fixed batch"):
+        layer.batch_select_indices(torch.tensor([0]))
 
 
 def test_bf16_one_query_attention_runs_in_fp32_under_autocast():

@@ -190,6 +190,20 @@ def test_cancelling_or_closing_a_generation_frees_its_row(tiny_model_dirs, gated
     assert (stats["cancelled"], stats["finished"], stats["running"], stats["waiting"]) == (3, 2, 0, 0)
 
 
+def test_a_stream_closed_or_dropped_before_its_first_token_is_cancelled(tiny_model_dirs, gated):
+    model, tokenizer = _load(tiny_model_dirs["llama"])
+    ids, short = tokenizer(SENTENCES[0])["input_ids"], GenerationParams(max_new_tokens=3)
+    scheduler, lock = gated(model, max_batch=1)
+    closed = scheduler.submit(ids, GenerationParams(max_new_tokens=50), set())
+    closed.close()  # never read
+    scheduler.submit(ids, GenerationParams(max_new_tokens=50), set())  # never read, dropped at once
+    after = scheduler.submit(ids, short, set())
+    lock.open()
+    assert list(after) == _alone(model, ids, short, set())  # one row: it ran only once both others had left
+    stats = scheduler.snapshot()
+    assert (stats["cancelled"], stats["finished"]) == (2, 1) and stats["tokens"] <= 2 + 3
+
+
 def test_a_failing_prefill_fails_only_its_request_and_stop_ends_the_rest(tiny_model_dirs, gated):
     model, tokenizer = _load(tiny_model_dirs["llama"])
     ids, params = tokenizer(SENTENCES[0])["input_ids"], GenerationParams(max_new_tokens=10)

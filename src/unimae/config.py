@@ -228,7 +228,10 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         default=8, metadata={"help": "Texts per forward pass per process; the rest is gradient accumulation."}
     )
     max_length: int = field(default=128, metadata={"help": "Max tokens per text, EOS included (paper: 512)."})
-    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate, constant schedule (paper: 1e-4); gem: see --gem-lr-schedule."})
+    lr: float = field(
+        default=1e-4,
+        metadata={"help": "AdamW learning rate, constant schedule (paper: 1e-4); gem: see --gem-lr-schedule."},
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (paper: not stated)."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm; 0 turns it off."})
 

@@ -88,6 +88,23 @@ class PreallocatedLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return self.capacity
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` positions (transformers' convention: a negative count);
+        the next ``update`` writes after what is left."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of positions to drop, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+    def reset(self) -> None:
+        self.crop(-self.length)
+
+    def _fixed_batch(self, *args, **kwargs):
+        raise NotImplementedError("a PreallocatedLayer holds one generation's fixed batch; use a DynamicCache")
+
+    batch_select_indices = batch_repeat_interleave = reorder_cache = _fixed_batch
+
 
 def reusable_prefix(past_key_values, prompt_length: int) -> int:
     """How many positions of a prefix cache a prompt of ``prompt_length`` tokens reuses.

@@ -38,6 +38,7 @@ unchanged; that costs one thread hand-off per token, small next to a decode step
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
 from collections.abc import Iterator
@@ -146,7 +147,7 @@ class GenerationScheduler:
             self._waiting.append(request)
             self.stats.requests += 1
             self._wake.notify()
-        return _tokens(request)
+        return _TokenStream(request)
 
     def decode(
         self,
@@ -259,12 +260,44 @@ class GenerationScheduler:
         request.out.put(_DONE)
 
 
-def _tokens(request: _Request) -> Iterator[int]:
-    """The consumer's side of ``request``: its token ids as the scheduler delivers them, or its error."""
+class _TokenStream:
+    """The consumer's side of a request: its token ids as the scheduler delivers them, or its error.
+
+    Closing it (or dropping it), even before the first token, marks the request closed: its row leaves
+    the batch at the next step (a generator's ``finally`` would not run if it was never started).
+    An error shared by several requests (a failed step, the shutdown) is raised as a copy per consumer,
+    chained to the original, so their tracebacks do not mix across threads.
+    """
+
+    def __init__(self, request: _Request):
+        self._request = request
+        self._ended = False
+
+    def __iter__(self) -> _TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        if self._ended:
+            raise StopIteration
+        item = self._request.out.get()
+        if item is _DONE or isinstance(item, Exception):
+            self.close()
+            if item is _DONE:
+                raise StopIteration
+            raise _copy_error(item) from item
+        return item
+
+    def close(self) -> None:
+        self._ended = True
+        self._request.closed = True
+
+    def __del__(self) -> None:
+        self._request.closed = True
+
+
+def _copy_error(error: Exception) -> Exception:
+    """A fresh exception of ``error``'s type and arguments (a RuntimeError naming it where it cannot be copied)."""
     try:
-        while (item := request.out.get()) is not _DONE:
-            if isinstance(item, Exception):
-                raise item
-            yield item
-    finally:
-        request.closed = True  # closed early: its row leaves the batch at the next step
+        return copy.copy(error)
+    except Exception:  # an exception class whose constructor does not take its own args back
+        return RuntimeError(f"{type(error).__name__}: {error}")
