@@ -1,11 +1,14 @@
 """The training loop: LoRA (or full) training of an objective with checkpoints, resume and DDP.
 
-Distributed: the loop runs unchanged under ``torchrun`` or ``accelerate launch`` (DDP, FSDP or
-DeepSpeed as configured there); ``accelerate`` wraps the model and averages gradients. Each global
-batch of ``batch_size`` texts is split deterministically into contiguous per-process shards and
-then into micro-batches, and every loss is a mean over examples, so the update is the same for
-any number of processes and micro-batches.
-"""
+Distributed: the loop runs unchanged under ``torchrun`` or ``accelerate launch`` with DDP;
+``accelerate`` wraps the model and averages gradients (tested: two processes match one). FSDP and
+DeepSpeed are not supported: checkpoints and the adapter are read from the main process's module, and
+gradient clipping takes accelerate's generic path. Each global batch of ``batch_size`` texts is split
+deterministically into contiguous per-process shards and then into micro-batches. For the per-example
+losses (UniMAE, MNTP) every loss is a mean over examples, so the update is the same for any number of
+processes and micro-batches; the in-batch contrastive methods (simcse, contrastive, gem) contrast each
+text with its own micro-batch, so there the micro-batch size is part of the recipe (``--grad-cache-chunk``
+keeps one large micro-batch affordable)."""
 
 from __future__ import annotations
 
@@ -249,8 +252,9 @@ def _forward_backward(run: _Run, batch) -> dict:
     return losses
 
 
-def _train_step(run: _Run, step: int) -> dict:
-    """One optimizer step (micro-batches + accumulation) -> its log record (losses averaged over processes)."""
+def _train_step(run: _Run, step: int, stop: _StopFlag) -> tuple[dict, bool]:
+    """One optimizer step (micro-batches + accumulation) -> (its log record, losses averaged over processes;
+    whether any process has been asked to stop, agreed by all of them in the same reduction)."""
     config, acc = run.config, run.accelerator
     world = acc.num_processes
     shard = config.batch_size // world
@@ -277,18 +281,19 @@ def _train_step(run: _Run, step: int) -> dict:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     keys = sorted(totals)
-    stats = torch.tensor([totals[k] for k in keys] + [tokens], dtype=torch.float64, device=acc.device)
+    stats = [totals[k] for k in keys] + [tokens, float(stop.requested)]
+    stats = torch.tensor(stats, dtype=torch.float64, device=acc.device)
     stats = acc.reduce(stats, reduction="sum") if world > 1 else stats
     seconds = time.perf_counter() - tic
     record = {"step": step + 1, **{k: stats[i].item() / world for i, k in enumerate(keys)}}
     record.update(
         grad_norm=grad_norm,
         lr=lr,
-        tokens=int(stats[-1].item()),
+        tokens=int(stats[-2].item()),
         seconds=round(seconds, 4),
-        tokens_per_s=round(stats[-1].item() / seconds, 1),
+        tokens_per_s=round(stats[-2].item() / seconds, 1),
     )
-    return record
+    return record, bool(stats[-1].item() > 0)
 
 
 def _save_checkpoint(run: _Run, step: int) -> None:
@@ -361,9 +366,12 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     bar = tqdm(total=config.steps, initial=start, desc="unimae train", disable=not run.main, unit="step")
     t0 = time.perf_counter()
+    alone, stopping = run.accelerator.num_processes == 1, False
     try:
-        while step < config.steps and not stop.requested:
-            record = _train_step(run, step)
+        # Several processes leave the loop on the stop flag they agreed on in the last step's reduction (a
+        # signal seen by one rank alone between steps would otherwise send the ranks to different collectives).
+        while step < config.steps and not (stopping or (alone and stop.requested)):
+            record, stopping = _train_step(run, step, stop)
             step += 1
             record["elapsed"] = round(time.perf_counter() - t0, 2)
             release_free_memory()  # only when the heap has grown past a quarter of the machine (runtime.py)
