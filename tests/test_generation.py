@@ -168,6 +168,17 @@ def test_warm_up_packs_the_decode_weights_before_the_first_request(tiny_model_di
     assert model.lm_head in decoding._PACKED and model.model.layers[0].mlp.gate_proj in decoding._PACKED
 
 
+@pytest.mark.skipif(not packed_supported(torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
+def test_the_server_state_warms_up_a_bf16_model(tiny_model_dirs):
+    from unimae import decoding
+    from unimae.serving.config import ServerConfig
+    from unimae.serving.state import ServerState
+
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="bf16", max_length=16)
+    ServerState.build(encoder, ServerConfig(model_name="tiny"))
+    assert encoder.model.get_output_embeddings() in decoding._PACKED
+
+
 def test_generation_leaves_embeddings_and_modes_alone(tiny_model_dirs):
     model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     enc = Encoder(model, tokenizer, precision="bf16" if packed_supported(torch.device("cpu")) else "fp32", device="cpu")

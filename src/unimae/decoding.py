@@ -36,9 +36,9 @@ import copy
 import threading
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -260,6 +260,21 @@ def _projection(modules: list, packed: bool):
     return lambda x: tuple(m(x) for m in modules)
 
 
+class _LayerStep(NamedTuple):
+    """What :class:`LlamaStep` calls in one decoder layer (projections as :func:`_projection` returns them)."""
+
+    norm1: Callable  # input RMSNorm
+    qkv: Callable  # x -> (q, k, v)
+    out: Callable  # attention output -> (o,)
+    head_dim: int
+    scale: float
+    gqa: dict  # SDPA's enable_gqa where key/value heads are shared
+    norm2: Callable  # post-attention RMSNorm
+    gate_up: Callable  # x -> (gate, up)
+    down: Callable  # x -> (down,)
+    act: Callable
+
+
 class LlamaStep:
     """The one-token forward of a Llama-family decoder (``LEAN_MODEL_TYPES``) over B independent sequences,
     as a flat loop over its layers.
@@ -289,17 +304,17 @@ class LlamaStep:
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
-                (
-                    layer.input_layernorm,
-                    _projection([attn.q_proj, attn.k_proj, attn.v_proj], packed),
-                    _projection([attn.o_proj], packed),
-                    attn.head_dim,
-                    attn.scaling,
-                    {"enable_gqa": True} if attn.num_key_value_groups > 1 else {},
-                    layer.post_attention_layernorm,
-                    _projection([mlp.gate_proj, mlp.up_proj], packed),
-                    _projection([mlp.down_proj], packed),
-                    mlp.act_fn,
+                _LayerStep(
+                    norm1=layer.input_layernorm,
+                    qkv=_projection([attn.q_proj, attn.k_proj, attn.v_proj], packed),
+                    out=_projection([attn.o_proj], packed),
+                    head_dim=attn.head_dim,
+                    scale=attn.scaling,
+                    gqa={"enable_gqa": True} if attn.num_key_value_groups > 1 else {},
+                    norm2=layer.post_attention_layernorm,
+                    gate_up=_projection([mlp.gate_proj, mlp.up_proj], packed),
+                    down=_projection([mlp.down_proj], packed),
+                    act=mlp.act_fn,
                 )
             )
 
@@ -330,14 +345,14 @@ class LlamaStep:
         cos, sin = self.rotary(h, position)  # (B, 1, hd) each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, hd): broadcast over heads
         for depth, layer in enumerate(self.layers):
-            norm1, qkv, out, dim, scale, gqa, norm2, gate_up, down, act = layer
-            q, k, v = (t.view(batch, 1, -1, dim).transpose(1, 2) for t in qkv(norm1(h)))  # (B, H or H_kv, 1, hd)
+            qkv = layer.qkv(layer.norm1(h))
+            q, k, v = (t.view(batch, 1, -1, layer.head_dim).transpose(1, 2) for t in qkv)  # (B, H or H_kv, 1, hd)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            a = _attend(q, k, v, [layers[depth] for layers in rows], scale, gqa)  # (B, H, 1, hd)
-            h = h + out(a.transpose(1, 2).reshape(batch, 1, -1))[0]  # (B, 1, D)
-            gate, up = gate_up(norm2(h))
-            h = h + down(act(gate) * up)[0]
+            a = _attend(q, k, v, [layers[depth] for layers in rows], layer.scale, layer.gqa)  # (B, H, 1, hd)
+            h = h + layer.out(a.transpose(1, 2).reshape(batch, 1, -1))[0]  # (B, 1, D)
+            gate, up = layer.gate_up(layer.norm2(h))
+            h = h + layer.down(layer.act(gate) * up)[0]
         return self.head(self.norm(h))[0][:, -1]  # (B, V)
 
 
@@ -510,7 +525,8 @@ def decode_tokens(
 
 def warm_up(model, precision: str) -> None:
     """Make what the first generation would make (oneDNN-packed bf16 weights, about the bf16 weights' size,
-    0.1-1 s for a 135M model): call at load, e.g. before a server takes requests. A no-op in fp32."""
+    0.1-1 s for a 135M model), so the first request does not pay for it; ``ServerState.build`` calls it.
+    A no-op in fp32."""
     from unimae.generation import GenerationParams
 
     if precision == "bf16" and packed_supported(next(model.parameters()).device):

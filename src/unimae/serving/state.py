@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import Depends, Request
 
-from unimae.decoding import decode_tokens
+from unimae.decoding import decode_tokens, warm_up
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams
 from unimae.index import VectorIndex
@@ -60,6 +60,7 @@ class ServerState:
             size=lambda item: len(item.ids),
             on_idle=release_free_memory,
         )
+        warm_up(encoder.model, encoder.precision)  # bf16: pack the decode weights now, not in the first request
         scheduler = None
         running = config.max_concurrent_generations
         if config.continuous_batching:
