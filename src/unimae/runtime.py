@@ -8,7 +8,7 @@ to 4.0 s and system time from 9.7 s to 2.1 s (benchmarks/README.md).
 
 The price is that freed memory stays in the process: with many differently sized blocks (Gemma-3's
 262k-token output head) the heap fragments and the resident size grows step after step (measured:
-Gemma-3-270M UniMAE was killed by the OOM killer at 24 GB after 47 steps). :func:`release_free_memory`
+Gemma-3-270M UniMAE was killed by the OOM killer at 24 GB after 47 steps). :func:`release_if_above`
 hands the free pages back (``malloc_trim``); the trainer calls it after a step only when the process
 holds more than a quarter of the machine's memory, so small runs pay nothing. Measured on Gemma-3-270M
 (AMD EPYC, 2 cores): trimming after every step kept the resident size between steps at 1.4 GB (peaks
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -35,14 +36,12 @@ def tune_allocator(threshold_bytes: int = 1 << 30) -> bool:
     global _tuned
     if _tuned or not sys.platform.startswith("linux"):
         return _tuned
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = (
-            libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
-            and libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes) == 1
-        )
-    except (OSError, AttributeError):  # not glibc (musl, macOS): keep the default allocator
-        ok = False
+    libc = _libc()
+    ok = (
+        libc is not None
+        and libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
+        and libc.mallopt(_M_TRIM_THRESHOLD, threshold_bytes) == 1
+    )
     _tuned = ok
     logger.debug("allocator tuning %s", "applied" if ok else "not available")
     return ok
@@ -65,17 +64,38 @@ def total_memory_bytes() -> int | None:
         return None
 
 
-def release_free_memory(above_share: float = 0.25) -> bool:
-    """Return the heap's free pages to the OS (glibc ``malloc_trim``) if this process holds more than
-    ``above_share`` of the machine's memory. Only needed after :func:`tune_allocator`; returns whether it
-    trimmed."""
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, or None where there is none (musl, macOS): then the allocator is left alone."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only (not musl): fail here, once
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def release_free_memory() -> bool:
+    """Return the free pages of every glibc malloc arena to the OS (``malloc_trim(0)``, about a millisecond
+    plus page faults when the memory is used again): True if any were (False off glibc).
+
+    The server's embedding batcher calls it when its queue drains after a large batch (a server that has just
+    embedded one large request would otherwise keep that memory for good: RSS 1.1 -> 2.4 GB, and it stayed).
+    """
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+def release_if_above(share: float = 0.25) -> bool:
+    """:func:`release_free_memory` if this process holds more than ``share`` of the machine's memory (the
+    trainer, after each step: see the module docstring); returns whether it trimmed."""
     rss, total = resident_bytes(), total_memory_bytes()
-    if not _tuned or rss is None or total is None or rss <= above_share * total:
+    if rss is None or total is None or rss <= share * total:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc_trim(0)
-    logger.debug("released free heap memory: %.1f GB resident before", rss / 1e9)
-    return True
+    logger.debug("releasing free heap memory: %.1f GB resident", rss / 1e9)
+    return release_free_memory()
 
 
 def cpu_model() -> str | None:

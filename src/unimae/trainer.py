@@ -42,7 +42,7 @@ from unimae.files import atomic_write_json, atomic_write_text
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.precision import autocast, resolve_precision, weight_dtype
-from unimae.runtime import release_free_memory, resident_bytes, tune_allocator
+from unimae.runtime import release_if_above, resident_bytes, tune_allocator
 from unimae.tokenization import choose_mask_token
 
 logger = logging.getLogger(__name__)
@@ -374,7 +374,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainResult:
             record, stopping = _train_step(run, step, stop)
             step += 1
             record["elapsed"] = round(time.perf_counter() - t0, 2)
-            release_free_memory()  # only when the heap has grown past a quarter of the machine (runtime.py)
+            release_if_above(0.25)  # a heap grown past a quarter of the machine: hand free pages back (runtime.py)
             rss = resident_bytes()
             if rss is not None:
                 record["rss_gb"] = round(rss / 1e9, 2)
