@@ -66,11 +66,13 @@ class DataOrder:
 
 @dataclass
 class TrainResult:
+    """What ``train`` returns."""
+
     output_dir: Path
     adapter_dir: Path
-    steps: int
-    interrupted: bool
-    seconds: float
+    steps: int  # optimizer steps done in all, resumed ones included
+    interrupted: bool  # stopped by a signal before config.steps
+    seconds: float  # this call's loop and saving (not model loading, not earlier sittings of a resumed run)
 
 
 class _StopFlag:
@@ -189,23 +191,11 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
     method = get_method(config.method)(config, Context(tokenizer, mask_id, embedding_spec(config.init_adapter or None)))
     examples = method.load_data()
-    model = method.prepare_model(model)
-    llm = _build_llm(config, model, method)
-    if precision == "bf16" and not config.full_params:
-        skip_input_upcast(llm)
-    if method.attention_dropout:  # else the model keeps its own config's rate
-        set_attention_dropout(llm, method.attention_dropout)
-    if config.gradient_checkpointing:
-        llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        llm.enable_input_require_grads()
-    objective = method.build_objective(llm)
+    objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()
     if state is not None:
         _restore(state, Path(config.output_dir), objective, fingerprint)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    # --lr x the method's multiplier per step (constant 1.0 by default, paper App. C; GEM: its two phases)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, method.lr_lambda)
+    params, optimizer, scheduler = _optimizer(config, method, objective)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -220,23 +210,44 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         "grad_accum_steps": accum,
         "resolved_precision": precision,
     }
-    order = method.example_order(len(examples), config.seed)  # DataOrder unless the method groups batches
     return _Run(
-        config,
-        accelerator,
-        method,
-        wrapped,
-        params,
-        optimizer,
-        scheduler,
-        examples,
-        order,
-        precision,
-        accum,
-        fingerprint,
-        tokenizer,
-        meta,
+        config=config,
+        accelerator=accelerator,
+        method=method,
+        objective=wrapped,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        examples=examples,
+        order=method.example_order(len(examples), config.seed),  # DataOrder unless the method groups batches
+        precision=precision,
+        accum=accum,
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        meta=meta,
     )
+
+
+def _trainable_llm(config: TrainConfig, model, method: Method, precision: str):
+    """The LLM as it trains: LoRA (or all weights), bf16 input handling, dropout, checkpointing."""
+    llm = _build_llm(config, model, method)
+    if precision == "bf16" and not config.full_params:
+        skip_input_upcast(llm)
+    if method.attention_dropout:  # else the model keeps its own config's rate
+        set_attention_dropout(llm, method.attention_dropout)
+    if config.gradient_checkpointing:
+        llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        llm.enable_input_require_grads()
+    return llm
+
+
+def _optimizer(config: TrainConfig, method: Method, objective: torch.nn.Module):
+    """(trainable parameters, AdamW over them, the learning-rate schedule)."""
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    # --lr x the method's multiplier per step (constant 1.0 by default, paper App. C; GEM: its two phases)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, method.lr_lambda)
+    return params, optimizer, scheduler
 
 
 def _forward_backward(run: _Run, batch) -> dict:
