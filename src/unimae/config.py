@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from unimae.files import atomic_write_json
 from unimae.pooling import POOLINGS
 from unimae.precision import PRECISIONS
 
@@ -352,7 +353,8 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the config as JSON, atomically (a crash leaves the old file or the new one, never half)."""
+        atomic_write_json(path, self.to_dict())
 
 
 def method_names() -> list[str]:
