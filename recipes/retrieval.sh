@@ -18,6 +18,8 @@
 # Environment: RUNS, OUT, DEV, PAIRS (folder for the wiki pairs built here; outside the repository),
 # SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (80), SUP_BATCH (256), SUP_CHUNK
 # (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
+# UNIMAE_RUN (name of the UniMAE run in RUNS, default unimae; the later stages are named after it),
+# UNIMAE_FLAGS (extra flags for that stage, e.g. "--p-mar 0.5"), UNIMAE_LABEL (its row in DEV, unimae-eos),
 # SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), WIKI (1: add inverse-cloze
 # pairs from pretrain/; 0: only the 8 files of train/), TASKS (dev suite by default; "" skips evaluation),
 # RAG_QUESTIONS (20; 0 skips the RAG benchmark).
@@ -38,6 +40,9 @@ SUP_CHUNK=${SUP_CHUNK:-32}
 SUP_MAX_LENGTH=${SUP_MAX_LENGTH:-128}
 SUP_WEIGHTS=${SUP_WEIGHTS:-sqrt}
 SUP_FLAGS=${SUP_FLAGS:-}
+UNIMAE_RUN=${UNIMAE_RUN:-unimae}
+UNIMAE_FLAGS=${UNIMAE_FLAGS:-}
+UNIMAE_LABEL=${UNIMAE_LABEL:-unimae-eos}
 WIKI=${WIKI:-1}
 TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
@@ -65,13 +70,14 @@ if [ "$WIKI" = 1 ]; then
   files="$files,$PAIRS/wiki_ict.jsonl"
 fi
 
-train unimae --method unimae
-init=$RUNS/unimae/adapter
-sup=unimae-sup
+# shellcheck disable=SC2086  # UNIMAE_FLAGS is a word list on purpose
+train "$UNIMAE_RUN" --method unimae $UNIMAE_FLAGS
+init=$RUNS/$UNIMAE_RUN/adapter
+sup=$UNIMAE_RUN-sup
 if [ "$SIMCSE_STEPS" -gt 0 ]; then
-  train unimae-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$init"
-  init=$RUNS/unimae-simcse/adapter
-  sup=unimae-simcse-sup
+  train "$UNIMAE_RUN-simcse" --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$init"
+  init=$RUNS/$UNIMAE_RUN-simcse/adapter
+  sup=$UNIMAE_RUN-simcse-sup
 fi
 # One batch of SUP_BATCH pairs per step, drawn from one source; the gradient cache embeds it in chunks of
 # SUP_CHUNK texts, so the micro-batch is the whole batch (in-batch negatives span all of it).
@@ -87,7 +93,7 @@ if [ -n "$TASKS" ]; then
     --output-dir "$OUT" --label retrieval-eos
   # shellcheck disable=SC2086
   $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
-    "unimae-eos=$DEV/unimae-eos" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
+    "unimae-eos=$DEV/$UNIMAE_LABEL" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
 fi
 if [ "$GENERATION" = 1 ] && [ ! -f "results/generation-$SHORT/retrieval/generation.json" ]; then
   $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
