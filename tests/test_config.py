@@ -73,3 +73,15 @@ def test_every_field_has_help_text():
     from dataclasses import fields
 
     assert all(f.metadata.get("help") for f in fields(TrainConfig))
+
+
+def test_every_field_is_a_flag_with_method_options_grouped_last():
+    from dataclasses import fields
+
+    from unimae.config import add_config_arguments
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    dests = [a.dest for a in parser._actions]
+    assert {f.name for f in fields(TrainConfig)} <= set(dests)
+    assert dests.index("model") < dests.index("mntp_p_mask") < dests.index("temperature")

@@ -413,12 +413,14 @@ def _as_field_type(f, value, path: Path):
     raise ValueError(f"config file {path}: {f.name} must be a {kind.__name__}, got {value!r}")
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, suppress_defaults: bool = False) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls``, with its help text and default.
+def add_dataclass_arguments(parser, cls, suppress_defaults: bool = False, skip: tuple = ()) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` (but not those of the dataclasses in ``skip``),
+    with its help text and default, to ``parser`` (an ArgumentParser or one of its argument groups).
 
     ``suppress_defaults``: leave unset flags out of the namespace (so a config file can fill them).
     """
-    for f in fields(cls):
+    skipped = {f.name for base in skip for f in fields(base)}
+    for f in (f for f in fields(cls) if f.name not in skipped):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")  # argparse formats help
@@ -435,7 +437,14 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, suppress_defau
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per TrainConfig field, defaulting to 'not given' so precedence works."""
     parser.add_argument("--config", help="JSON or YAML file with TrainConfig fields.")
-    add_dataclass_arguments(parser, TrainConfig, suppress_defaults=True)
+    groups = {  # the method-specific options, listed after the rest
+        MNTPOptions: "mntp options",
+        ContrastiveOptions: "simcse / contrastive options (also gem's contrastive term)",
+        GEMOptions: "gem options",
+    }
+    add_dataclass_arguments(parser, TrainConfig, suppress_defaults=True, skip=tuple(groups))
+    for cls, title in groups.items():
+        add_dataclass_arguments(parser.add_argument_group(title), cls, suppress_defaults=True)
 
 
 def resolve_config(args: argparse.Namespace | dict[str, Any]) -> TrainConfig:
