@@ -190,13 +190,16 @@ def test_evaluate_figures_embeds_the_sample_with_the_base_model(monkeypatch, tin
 
 
 def test_evaluate_generation_passes_its_options_and_prints_headline_metrics(monkeypatch, tmp_path, capsys):
-    summary = {"results": {"piqa": {"acc_norm,none": 0.5, "acc,none": 0.25}}, "seconds": 1.0}
-    calls = _record(monkeypatch, "unimae.evaluation.generation.evaluate_generation", summary)
-    argv = ["evaluate", "generation", "--model", "m", "--tasks", "piqa", "--data-dir", "d"]
+    results = {"piqa": {"acc_norm,none": 0.5, "acc,none": 0.25}, "mmlu": {"alias": "mmlu", "acc,none": 0.3}}
+    calls = _record(monkeypatch, "unimae.evaluation.generation.evaluate_generation", {"results": results, "seconds": 1})
+    argv = ["evaluate", "generation", "--model", "m", "--tasks", "piqa", "mmlu", "--data-dir", "d", "--rerun"]
     argv += ["--output-dir", str(tmp_path), "--limit", "3", "--batch-size", "2", "--precision", "fp32"]
     assert main(argv) == 0
-    assert calls == [(("m", None, tmp_path, Path("d")), dict(tasks=["piqa"], limit=3, batch_size=2, precision="fp32"))]
-    assert capsys.readouterr().out.splitlines()[0].split() == ["piqa", "acc_norm", "0.5000"]
+    options = dict(tasks=["piqa", "mmlu"], limit=3, batch_size=2, precision="fp32", rerun=True)
+    assert calls == [(("m", None, tmp_path, Path("d")), options)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["piqa", "acc_norm", "0.5000"]
+    assert lines[1].split() == ["mmlu", "acc", "0.3000"]  # a registry task: its own acc, not a KeyError
 
 
 def test_compare_builds_its_config_from_the_flags(monkeypatch, tmp_path):

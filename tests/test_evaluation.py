@@ -300,6 +300,33 @@ def test_a_label_evaluated_for_another_model_sets_the_old_results_aside(tiny_enc
     assert record["model"] == "second" and set(record["tasks"]) == {"STSBenchmark", "STS17"}
 
 
+@needs_data
+def test_a_suite_stopped_between_tasks_resumes_after_the_finished_ones(
+    tiny_encoder, data_slice, tmp_path, monkeypatch
+):
+    """run.json is written after every task, so Ctrl-C in the second task keeps the first one's result."""
+    import mteb
+
+    from unimae.evaluation.embeddings import evaluate_embeddings
+
+    evaluate = mteb.evaluate
+    calls = []
+
+    def stop_on_second_task(model, task, **kwargs):
+        calls.append(task.metadata.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(model, task, **kwargs)
+
+    monkeypatch.setattr(mteb, "evaluate", stop_on_second_task)
+    tasks = ["STSBenchmark", "STS17"]
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
+    assert set(json.loads((tmp_path / "m" / "run.json").read_text())["tasks"]) == {"STSBenchmark"}
+    resumed = evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
+    assert set(resumed.runtimes) == {"STS17"} and set(resumed.scores) == set(tasks)
+
+
 def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder, tmp_path):
     from unimae.evaluation.embeddings import evaluate_embeddings
     from unimae.evaluation.summary import write_summary
@@ -438,6 +465,28 @@ def test_generation_suite_matches_hand_computed_scores_of_a_uniform_model(unifor
     wiki = results["wiki_heldout"]
     assert wiki[HEADLINE_METRIC["wiki_heldout"]] == pytest.approx(math.exp(nll / words), rel=1e-4)
     assert wiki["byte_perplexity,none"] == pytest.approx(math.exp(nll / sum(len(d.encode()) for d in docs)), rel=1e-4)
+
+
+@needs_data
+def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp_path, monkeypatch):
+    """Each task's result is kept with what it was run on: the same model skips it, another limit redoes it."""
+    from unimae.evaluation import generation
+
+    def run(tasks, limit):
+        return generation.evaluate_generation(
+            str(uniform_lm_dir), None, tmp_path, SHARED_DATA, tasks=tasks, limit=limit, max_length=128, precision="fp32"
+        )
+
+    first = run(["piqa"], 2)
+    ran = []
+    run_tasks = generation._run_tasks
+    monkeypatch.setattr(generation, "_run_tasks", lambda meta, tasks, *a: ran.extend(tasks) or run_tasks(meta, tasks, *a))
+    both = run(["piqa", "arc_easy"], 2)
+    assert ran == ["arc_easy"] and both["results"]["piqa"] == first["results"]["piqa"]
+    assert set(json.loads((tmp_path / "generation.json").read_text())["results"]) == {"piqa", "arc_easy"}
+    run(["piqa"], 3)  # another limit: run again, record replaced
+    assert ran == ["arc_easy", "piqa"]
+    assert json.loads((tmp_path / "tasks" / "piqa.json").read_text())["n_samples"]["effective"] == 3
 
 
 def test_generation_without_data_dir_is_a_clear_error(tiny_model_dirs, tmp_path):

@@ -101,6 +101,9 @@ def _add_generation_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-dir", default="results/generation", help="Where generation.json is written.")
     parser.add_argument("--limit", type=int, help="Score only the first N items of each task.")
     parser.add_argument("--batch-size", type=int, default=16, help="Items per forward pass.")
+    parser.add_argument(
+        "--rerun", action="store_true", help="Redo tasks already evaluated for this model (default: resume)."
+    )
 
 
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:
@@ -200,7 +203,7 @@ def _figures(args: argparse.Namespace) -> int:
 
 
 def _generation(args: argparse.Namespace) -> int:
-    from unimae.evaluation.generation import HEADLINE_METRIC, evaluate_generation
+    from unimae.evaluation.generation import evaluate_generation, headline_metric
 
     out = Path(args.output_dir)
     data_dir = Path(args.data_dir) if args.data_dir else None
@@ -213,9 +216,10 @@ def _generation(args: argparse.Namespace) -> int:
         limit=args.limit,
         batch_size=args.batch_size,
         precision=args.precision,
+        rerun=args.rerun,
     )
     for task, metrics in summary["results"].items():
-        key = HEADLINE_METRIC[task]
+        key = headline_metric(task, metrics)
         print(f"{task:16s} {key.split(',')[0]:16s} {metrics[key]:.4f}")
     print(f"\nwrote {out / 'generation.json'} ({summary['seconds']} s)")
     return 0

@@ -214,21 +214,30 @@ def evaluate_model_on_tasks(
             atomic_write_json(out / f"{name}.error.json", {"task": name, "error": message})
             (out / f"{name}.json").unlink(missing_ok=True)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
-    # Runs of the same label on other tasks add to its record; a task run again replaces its entry.
+        write_run_record(out, meta, previous, run, data_dir)  # after every task: a stopped suite resumes
+    if not run.runtimes:
+        write_run_record(out, meta, previous, run, data_dir)
+    return run
+
+
+def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun, data_dir: Path | None) -> None:
+    """``run.json``: the model's ``meta`` and the runtimes and errors of every task evaluated under the label.
+
+    Runs of the same label on other tasks add to its record; a task run again replaces its entry.
+    """
     runtimes = {**previous.get("tasks", {}), **run.runtimes}
     errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
     atomic_write_json(
         out / "run.json",
         {
             **meta,
-            "label": label,
+            "label": run.label,
             "versions": versions(),
             "tasks": runtimes,
             "errors": errors,
             "data_dir": str(data_dir) if data_dir else None,
         },
     )
-    return run
 
 
 def set_aside_other_model(out: Path) -> Path:

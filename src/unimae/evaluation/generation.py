@@ -12,10 +12,13 @@ The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter a
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 from unimae.files import atomic_write_json
+
+logger = logging.getLogger(__name__)
 
 LM_TASKS_DIR = Path(__file__).parent / "lm_tasks"
 GENERATION_TASKS = ["arc_easy", "piqa", "hellaswag", "winogrande", "lambada_openai", "wiki_heldout"]
@@ -67,6 +70,16 @@ def check_registry_tasks(names: list[str], manager) -> None:
         )
 
 
+def headline_metric(task: str, metrics: dict) -> str:
+    """The metric a table shows for ``task``: ours for the local tasks, else the first acc-like one."""
+    if task in HEADLINE_METRIC:
+        return HEADLINE_METRIC[task]
+    for name in ("acc_norm,none", "acc,none", "exact_match,none", "word_perplexity,none"):
+        if name in metrics:
+            return name
+    return next(k for k, v in metrics.items() if isinstance(v, (int, float)) and "stderr" not in k)
+
+
 def evaluate_generation(
     model_spec: str,
     adapter: str | None,
@@ -77,54 +90,100 @@ def evaluate_generation(
     batch_size: int = 16,
     max_length: int = 2048,
     precision: str = "auto",
+    rerun: bool = False,
 ) -> dict:
     """Run lm-eval on the live model (adapter applied, not merged); write ``generation.json``; return it.
 
     The adapter stays a separate LoRA (as in training): merging it into bf16 weights would round away
     part of its update, so "generation unchanged" could not be told from "adapter partly lost".
+    Each task's result is kept in ``output_dir/tasks/<task>.json`` with what it was run on (model,
+    adapter revision, limit, max length, precision): a suite stopped part-way (the full one takes
+    hours on a CPU) resumes after its finished tasks; ``rerun`` redoes them.
     """
     import lm_eval
-    import torch
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from unimae.adapter import load_with_adapter
+    from unimae.adapter import adapter_revision
     from unimae.evaluation.embeddings import versions
-    from unimae.precision import default_device, resolve_precision, weight_dtype
+    from unimae.precision import default_device, resolve_precision
 
     tasks = tasks or GENERATION_TASKS
     local = [t for t in tasks if t in GENERATION_TASKS]
-    include = write_task_configs(Path(output_dir) / "lm_tasks", data_dir, local)
+    output_dir = Path(output_dir)
+    include = write_task_configs(output_dir / "lm_tasks", data_dir, local)
     manager = TaskManager(include_path=str(include))
     check_registry_tasks([t for t in tasks if t not in GENERATION_TASKS], manager)
-    output_dir = Path(output_dir)
     resolved = resolve_precision(precision, default_device())
-    # unmerged: peft casts inputs to the fp32 LoRA weights itself
-    model, tokenizer, _ = load_with_adapter(model_spec, adapter or None, weight_dtype(resolved))
-    model.to(default_device()).eval()
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=[lm_eval_name(t) for t in tasks],
-            task_manager=manager,
-            num_fewshot=0,
-            limit=limit,
-            log_samples=False,
-            bootstrap_iters=1000,
-        )
-    summary = {
+    meta = {
         "model": model_spec,
         "adapter": adapter,
+        "revision": adapter_revision(adapter),
         "limit": limit,
         "max_length": max_length,
         "precision": resolved,
-        "seconds": round(time.perf_counter() - start, 1),
-        "versions": {**versions(), "lm_eval": lm_eval.__version__},
-        "results": {t: {**results.get("groups", {}), **results["results"]}.get(lm_eval_name(t)) for t in tasks},
-        "n_samples": {t: results.get("n-samples", {}).get(lm_eval_name(t)) for t in tasks},
     }
-    output_dir.mkdir(parents=True, exist_ok=True)
+    done = {} if rerun else finished_tasks(output_dir / "tasks", tasks, meta)
+    todo = [t for t in tasks if t not in done]
+    if todo:
+        done.update(_run_tasks(meta, todo, manager, output_dir / "tasks", batch_size))
+    summary = {
+        **meta,
+        "seconds": round(sum(done[t]["seconds"] for t in tasks), 1),
+        "versions": {**versions(), "lm_eval": lm_eval.__version__},
+        "results": {t: done[t]["result"] for t in tasks},
+        "n_samples": {t: done[t]["n_samples"] for t in tasks},
+    }
     atomic_write_json(output_dir / "generation.json", summary)
     return summary
+
+
+def finished_tasks(folder: Path, tasks: list[str], meta: dict) -> dict[str, dict]:
+    """The task records in ``folder`` written for this ``meta`` (others are run again and replaced)."""
+    records = {}
+    for task in tasks:
+        path = folder / f"{task}.json"
+        if path.is_file():
+            record = json.loads(path.read_text())
+            if record.get("meta") == meta:
+                records[task] = record
+    if records:
+        logger.info("generation: %s already evaluated for this model; pass --rerun to redo", sorted(records))
+    return records
+
+
+def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: int) -> dict[str, dict]:
+    """Evaluate ``tasks`` one by one on the model of ``meta``; write each task's record as it finishes."""
+    import lm_eval
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from unimae.adapter import load_with_adapter
+    from unimae.precision import default_device, weight_dtype
+
+    # unmerged: peft casts inputs to the fp32 LoRA weights itself
+    model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
+    model.to(default_device()).eval()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=meta["max_length"])
+    folder.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for task in tasks:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[lm_eval_name(task)],
+                task_manager=manager,
+                num_fewshot=0,
+                limit=meta["limit"],
+                log_samples=False,
+                bootstrap_iters=1000,
+            )
+        name = lm_eval_name(task)
+        records[task] = {
+            "meta": meta,
+            "seconds": round(time.perf_counter() - start, 1),
+            "result": {**results.get("groups", {}), **results["results"]}.get(name),
+            "n_samples": results.get("n-samples", {}).get(name),
+        }
+        atomic_write_json(folder / f"{task}.json", records[task])
+    return records
