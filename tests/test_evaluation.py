@@ -301,9 +301,7 @@ def test_a_label_evaluated_for_another_model_sets_the_old_results_aside(tiny_enc
 
 
 @needs_data
-def test_a_suite_stopped_between_tasks_resumes_after_the_finished_ones(
-    tiny_encoder, data_slice, tmp_path, monkeypatch
-):
+def test_a_suite_stopped_between_tasks_resumes_after_the_finished_ones(tiny_encoder, data_slice, tmp_path, monkeypatch):
     """run.json is written after every task, so Ctrl-C in the second task keeps the first one's result."""
     import mteb
 
@@ -480,7 +478,12 @@ def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp
     first = run(["piqa"], 2)
     ran = []
     run_tasks = generation._run_tasks
-    monkeypatch.setattr(generation, "_run_tasks", lambda meta, tasks, *a: ran.extend(tasks) or run_tasks(meta, tasks, *a))
+
+    def counting(meta, tasks, *args):
+        ran.extend(tasks)
+        return run_tasks(meta, tasks, *args)
+
+    monkeypatch.setattr(generation, "_run_tasks", counting)
     both = run(["piqa", "arc_easy"], 2)
     assert ran == ["arc_easy"] and both["results"]["piqa"] == first["results"]["piqa"]
     assert set(json.loads((tmp_path / "generation.json").read_text())["results"]) == {"piqa", "arc_easy"}
