@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GEM's ablation of k, the number of summary tokens (paper: k = 1 / 2 / 5 / 10 -> 54.35 / 54.67 / 55.88 / 56.12
 # on its MTEB subset), on the dev suite, with the paper's recipe (`--method gem` defaults, METHOD.md section 2).
-# k = 1 is the paper's default, so its row (label gem-k1) is also GEM's Table 1 row.
+# k = 1 is the paper's default, so its row (label k=1) is also GEM's Table 1 row (`gem-summary`).
+# Results: OUT/summary.json (labels k=<n>), written by `unimae evaluate summary`.
 #   MODEL=smollm2-135m bash recipes/gem_ablation.sh                 (k = 1, 2, 5, 10)
 #   MODEL=gemma3-270m K_VALUES=1 bash recipes/gem_ablation.sh       (GEM's row for the second model)
 # Budget: the paper's 1,000 steps of 32 rows (100 NTP steps at lr 1e-4, then 900 contrastive at 1e-5, cosine),
@@ -19,7 +20,7 @@ MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
 TRAIN_DATA=${TRAIN_DATA:-$DATA/pretrain/wikipedia_paragraphs.jsonl}
 RUNS=${RUNS:-runs/$MODEL-gem}
-OUT=${OUT:-results/ablation-gem-$MODEL}
+OUT=${OUT:-results/ablation-gem-k-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
 TASKS=${TASKS:-dev}
 K_VALUES=${K_VALUES:-1 2 5 10}
@@ -42,8 +43,8 @@ for k in $K_VALUES; do
   fi
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks $TASKS --data-dir "$DATA" \
-    --output-dir "$OUT" --label "gem-k$k"
-  labels+=("gem-k$k")
+    --output-dir "$OUT" --label "k=$k"
+  labels+=("k=$k")
 done
 # shellcheck disable=SC2086
-$UNIMAE evaluate summary --output-dir "$OUT" --labels "${labels[@]}" --tasks $TASKS --name gem-ablation
+$UNIMAE evaluate summary --output-dir "$OUT" --labels "${labels[@]}" --tasks $TASKS --name summary

@@ -277,6 +277,10 @@ def test_summary_averages_come_from_the_task_jsons(tiny_model_dirs, tiny_encoder
         write_summary(other, ["x=" + str(tmp_path / "nowhere")], tasks)
     with pytest.raises(ValueError, match="LABEL=FOLDER"):
         write_summary(other, ["=" + str(tmp_path / "m")], tasks)
+    # A label with '=' in it (the ablations' p_mar=0.5, k=1) is a folder of the results dir, not LABEL=FOLDER.
+    (tmp_path / "m").rename(tmp_path / "k=1")
+    write_summary(tmp_path, ["k=1"], tasks, name="ablation")
+    assert list(json.loads((tmp_path / "ablation.json").read_text())) == ["k=1"]
 
 
 @needs_data

@@ -51,9 +51,10 @@ def task_type(name: str) -> str:
 
 def row_folder(results_dir: Path, label: str) -> tuple[str, Path]:
     """(row name, folder) of a ``--labels`` entry: ``LABEL`` is ``results_dir/LABEL``; ``LABEL=FOLDER`` names
-    a row whose task JSONs live elsewhere (e.g. a row already scored in another table), read where it is."""
+    a row whose task JSONs live elsewhere (e.g. a row already scored in another table), read where it is.
+    A folder ``results_dir/<entry>`` wins, so labels such as ``p_mar=0.5`` or ``k=1`` stay plain labels."""
     name, sep, folder = label.partition("=")
-    if not sep:
+    if not sep or (results_dir / label).is_dir():
         return label, results_dir / label
     if not name or not folder:
         raise ValueError(f"--labels entry {label!r}: expected LABEL or LABEL=FOLDER")
