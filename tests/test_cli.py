@@ -200,6 +200,7 @@ def test_evaluate_generation_passes_its_options_and_prints_headline_metrics(monk
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["piqa", "acc_norm", "0.5000"]
     assert lines[1].split() == ["mmlu", "acc", "0.3000"]  # a registry task: its own acc, not a KeyError
+    assert lines[2].split() == ["average", "acc", "0.4000", "(2", "tasks)"]  # acc_norm 0.5 and acc 0.3
 
 
 def test_compare_builds_its_config_from_the_flags(monkeypatch, tmp_path):

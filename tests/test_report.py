@@ -135,6 +135,17 @@ def test_averages_and_generation_sources(root):
         "| tuned | 62.5 / 25.0 | 12.35 |",
     ]
 
+    # average: the mean headline accuracy (acc_norm for arc_easy) and its standard error
+    gen = root / "results" / "gen"
+    for name, (norm, se) in {"base": (0.25, 0.03), "tuned": (0.5, None)}.items():
+        scores = {"arc_easy": {"acc_norm,none": norm, "acc_norm_stderr,none": se}, "winogrande": {"acc,none": 0.5}}
+        scores["winogrande"]["acc_stderr,none"] = 0.04
+        scores["lambada_openai"] = {"perplexity,none": 9.0}
+        (gen / name / "generation.json").write_text(json.dumps({"results": scores}))
+    doc = write_doc(root, generation.replace("\n-->", "\naverage: true\n-->"))
+    assert run(root, doc) == 0
+    assert [line.rsplit("|", 2)[-2].strip() for line in table_of(doc)] == ["avg acc ± SE", "37.50 ± 2.50", "50.00"]
+
 
 def test_rag_source_lists_the_benchmark_entries(root):
     entry = {"models": "m (embed + generate)", "index_build_s": 70.1, "p50_s": 1.5, "p99_s": 2.0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -203,7 +204,7 @@ def _figures(args: argparse.Namespace) -> int:
 
 
 def _generation(args: argparse.Namespace) -> int:
-    from unimae.evaluation.generation import evaluate_generation, headline_metric
+    from unimae.evaluation.generation import average_accuracy, evaluate_generation, headline_metric
 
     out = Path(args.output_dir)
     data_dir = Path(args.data_dir) if args.data_dir else None
@@ -221,6 +222,9 @@ def _generation(args: argparse.Namespace) -> int:
     for task, metrics in summary["results"].items():
         key = headline_metric(task, metrics)
         print(f"{task:16s} {key.split(',')[0]:16s} {metrics[key]:.4f}")
+    with contextlib.suppress(ValueError):  # no accuracy among the tasks: no average line
+        mean, se, n = average_accuracy(summary["results"])
+        print(f"{'average':16s} {'acc':16s} {mean:.4f}" + (f" ± {se:.4f}" if se is not None else "") + f" ({n} tasks)")
     print(f"\nwrote {out / 'generation.json'} ({summary['seconds']} s)")
     return 0
 

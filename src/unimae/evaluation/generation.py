@@ -80,6 +80,27 @@ def headline_metric(task: str, metrics: dict) -> str:
     return next(k for k, v in metrics.items() if isinstance(v, (int, float)) and "stderr" not in k)
 
 
+def average_accuracy(results: dict[str, dict]) -> tuple[float, float | None, int]:
+    """(mean, standard error, n) of the tasks' headline accuracies (perplexities left out).
+
+    The tasks' items are disjoint, so their errors are independent: SE = sqrt(sum_i SE_i^2) / n, with
+    lm-eval's per-task ``<metric>_stderr``. SE is None when a task lacks it (e.g. a hand-written JSON).
+    """
+    values, errors = [], []
+    for task, metrics in results.items():
+        key = headline_metric(task, metrics or {})
+        if "perplexity" in key or key not in (metrics or {}):
+            continue
+        name, _, filter_name = key.partition(",")
+        values.append(metrics[key])
+        error = metrics.get(f"{name}_stderr,{filter_name}")  # lm-eval writes "N/A" where it has none
+        errors.append(error if isinstance(error, (int, float)) else None)
+    if not values:
+        raise ValueError("no accuracy among the generation results")
+    se = None if None in errors else sum(e * e for e in errors) ** 0.5 / len(errors)
+    return sum(values) / len(values), se, len(values)
+
+
 def evaluate_generation(
     model_spec: str,
     adapter: str | None,

@@ -25,7 +25,8 @@ options. Paths are relative to the repository root. Sources:
     ``{title: {source: PATH.json, tasks: [...], exclude: [...]}}``.
 ``generation``
     lm-eval results written by ``unimae evaluate generation``: ``rows: {shown name: .../generation.json}``,
-    optional ``tasks``. One column per task with its accuracies (x 100) and perplexities.
+    optional ``tasks``. One column per task with its accuracies (x 100) and perplexities; ``average: true``
+    adds the mean headline accuracy with its standard error (:func:`~unimae.evaluation.generation.average_accuracy`).
 ``rag``
     The RAG benchmark's entries (``results/rag-benchmark.json``, written by ``benchmarks/load_test.py``):
     one row per ``<model>/<mode>`` entry (``entries: [...]`` picks and orders them; default all) with its
@@ -57,6 +58,7 @@ from pathlib import Path
 import yaml
 
 from unimae.evaluation import summary
+from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import SummaryRow, summary_table
 
 # Markers start a line, so a marker quoted inside a sentence or an indented example is left alone.
@@ -65,7 +67,7 @@ CLOSE = "<!-- /report -->"
 CLOSE_LINE = re.compile(r"^<!-- /report -->", re.MULTILINE)
 SUMMARY_OPTIONS = {"labels", "tasks", "exclude", "names", "columns", "caption"}
 AVERAGES_OPTIONS = {"rows", "columns", "caption"}
-GENERATION_OPTIONS = {"rows", "tasks", "caption"}
+GENERATION_OPTIONS = {"rows", "tasks", "average", "caption"}
 RAG_OPTIONS = {"entries", "file", "caption"}
 RAG_FILE = "results/rag-benchmark.json"
 # RAG benchmark entry key -> column header, in column order.
@@ -269,6 +271,11 @@ def _generation(marker: Marker, root: Path) -> str:
         [shown] + [" / ".join(_generation_value(result.get(t, {}), m) for m in metrics[t]) for t in tasks]
         for shown, result in results.items()
     ]
+    if marker.options.get("average"):
+        header.append("avg acc ± SE")
+        for line, result in zip(cells, results.values(), strict=True):
+            mean, se, _ = average_accuracy({t: result.get(t, {}) for t in tasks})
+            line.append(f"{mean * 100:.2f}" + (f" ± {se * 100:.2f}" if se is not None else ""))
     return summary._markdown(header, cells)
 
 
