@@ -133,6 +133,7 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
     from unimae.evaluation.embeddings import EmbeddingRun
 
     run = EmbeddingRun("lbl", tmp_path / "lbl", errors={"SciFact": "no folder"})
+    run.output_dir.mkdir()  # what the evaluation makes
     calls = _record(monkeypatch, "unimae.evaluation.embeddings.evaluate_embeddings", run)
     argv = ["evaluate", "embeddings", "--model", "m", "--adapter", "a", "--pooling", "mean"]
     argv += ["--attention", "bidirectional", "--tasks", "STSBenchmark", "SciFact", "--data-dir", "d"]

@@ -1,5 +1,6 @@
 """mteb end to end on tiny models and small slices of the real data; cache; summary; bad input."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -538,6 +539,8 @@ def test_compare_writes_both_tables_and_figures(tiny_model_dirs, corpus_file, da
     assert rows == ["base-mean", "base-eos", "base-echo", "run-eos", "all-MiniLM-L6-v2"]
     assert (tmp_path / "cmp" / "categories.png").stat().st_size > 1000
     assert (tmp_path / "cmp" / "tsne.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="share a row name"):  # checked before any model loads
+        run_compare(dataclasses.replace(config, adapters=[str(adapter), "elsewhere/run/adapter"]))
 
 
 def test_attention_override_is_recorded_and_changes_the_embeddings(tiny_model_dirs, tmp_path):

@@ -17,6 +17,8 @@ def test_registry_tasks_are_accepted_and_unknown_ones_named(manager):
     with pytest.raises(ValueError, match=r"unknown generation task\(s\) \['not_a_task'\]"):
         check_registry_tasks(["sciq", "not_a_task"], manager)
     assert lm_eval_name("piqa") == "unimae_piqa" and lm_eval_name("sciq") == "sciq"
+    with pytest.raises(ValueError, match="tag"):  # runs arc_easy + arc_challenge but scores nothing as ai2_arc
+        check_registry_tasks(["ai2_arc"], manager)
 
 
 def test_unknown_task_fails_before_the_model_loads(tmp_path):

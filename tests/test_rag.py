@@ -52,6 +52,11 @@ def test_index_refuses_other_passages_and_incomplete_folders(encoder, tmp_path):
     with pytest.raises(VectorIndexError, match="--overwrite"):
         VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx", IndexConfig(shard_size=4))
     assert len(VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx", overwrite=True)) == 5
+    record = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    record["precision"] = "fp32" if record["precision"] == "bf16" else "bf16"  # as if built at the other one
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps(record))
+    with pytest.raises(VectorIndexError, match="precision"):  # resuming would mix shards of two precisions
+        VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx")
     manifest = tmp_path / "idx" / "manifest.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "complete": False}))
     with pytest.raises(VectorIndexError, match="resume"):

@@ -159,6 +159,20 @@ def adapter_revision(adapter: str | None) -> str:
     return digest.hexdigest()[:12]
 
 
+def model_revision(model: str) -> str | None:
+    """For a model folder on disk: a hash of its files' names, sizes and modification times (retraining into
+    the same folder changes it); None for a Hub id or a registry name (those name fixed weights)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:12]
+
+
 def adapter_meta(adapter: str | Path | None) -> dict:
     """The unimae.json written next to an adapter by `unimae train` ({} without one)."""
     if adapter is None:

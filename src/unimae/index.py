@@ -131,6 +131,8 @@ class VectorIndex:
             "pooling": encoder.spec.pooling,
             "embedding": encoder.spec.to_dict(),
             "max_length": encoder.max_length,
+            "precision": encoder.precision,
+            "merged": encoder.adapter_merged,
             "dim": encoder.embedding_dim,
             "count": len(passages),
             "passages": passages_fingerprint(passages),
@@ -140,8 +142,10 @@ class VectorIndex:
         manifest_path = directory / "manifest.json"
         if manifest_path.is_file() and not overwrite:
             old = json.loads(manifest_path.read_text())
-            old.setdefault("embedding", manifest["embedding"])  # written before the spec was recorded
-            same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "passages")
+            for key in ("embedding", "precision", "merged"):  # manifests written before these were recorded
+                old.setdefault(key, manifest[key])
+            same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "precision")
+            same += ("merged", "passages")  # a resumed build never mixes shards embedded two ways
             changed = [k for k in same if old.get(k) != manifest.get(k)]
             if changed or old.get("config", {}).get("shard_size") != config.shard_size:
                 raise VectorIndexError(

@@ -12,6 +12,7 @@ query ..." (the question is repeated next to the answer position, where a small 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ from unimae.decoding import decode_tokens
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
 from unimae.index import Hit, VectorIndex, VectorIndexError
+
+logger = logging.getLogger(__name__)
 
 INSTRUCTION = (
     "Answer the question using only the passages above. Cite the passages you use by their id in "
@@ -197,6 +200,14 @@ def load_index_and_encoder(
         raise VectorIndexError(
             f"the index in {index_dir} was built with adapter revision {built} but {adapter or 'no adapter'} is "
             f"revision {given}; rebuild the index (unimae index --overwrite) or pass the adapter it was built with"
+        )
+    if model is not None and manifest.get("model") not in (None, model):
+        logger.warning(
+            "the index in %s was built with model %s, not %s: queries embedded by another model do not match "
+            "its passages (fine only if both name the same weights)",
+            index_dir,
+            manifest["model"],
+            model,
         )
     spec = index.spec
     encoder = Encoder.from_pretrained(

@@ -1,6 +1,7 @@
 """``unimae compare``: the paper's two tables for one base model, in one command.
 
-Embeddings (mteb): base ``mean``, ``eos`` and ``echo``, each trained adapter with ``eos``, and the
+Embeddings (mteb): base ``mean``, ``eos`` and ``echo``, each trained adapter with the pooling it was trained
+for (row ``<run>-<pooling>``: ``eos`` for UniMAE, ``mean`` for MNTP, ...), and the
 dedicated-encoder reference all-MiniLM-L6-v2. Generation (lm-eval): the base model and each
 adapter. Figures: t-SNE of a clustering set (base eos vs each adapter) and category bars.
 """
@@ -54,13 +55,14 @@ def run_compare(config: CompareConfig) -> dict[str, str]:
     out = Path(config.output_dir)
     emb_dir = out / "embeddings"
     tasks = expand_tasks(config.tasks)
+    names = [adapter_label(a) for a in config.adapters]
+    if len(set(names)) < len(names):
+        raise ValueError(f"adapters {config.adapters} would share a row name ({names}); use distinct run folders")
     base = Encoder.from_pretrained(config.model, max_length=config.max_length)
-    trained = {
-        f"{adapter_label(a)}-eos": Encoder.from_pretrained(config.model, adapter=a, max_length=config.max_length)
-        for a in config.adapters
-    }
+    encoders = [Encoder.from_pretrained(config.model, adapter=a, max_length=config.max_length) for a in config.adapters]
+    trained = {f"{name}-{enc.pooling}": enc for name, enc in zip(names, encoders, strict=True)}  # its own pooling
     rows = [(f"base-{p}", None, p, base.with_pooling(p)) for p in config.base_poolings]
-    rows += [(label, adapter, "eos", trained[label]) for label, adapter in zip(trained, config.adapters, strict=True)]
+    rows += [(label, a, enc.pooling, enc) for (label, enc), a in zip(trained.items(), config.adapters, strict=True)]
     labels = []
     for label, adapter, pooling, encoder in rows:
         evaluate_embeddings(

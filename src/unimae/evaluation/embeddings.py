@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unimae.adapter import adapter_revision
+from unimae.adapter import adapter_revision, model_revision
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
 from unimae.files import atomic_write, atomic_write_json
 
@@ -176,8 +176,8 @@ def evaluate_model_on_tasks(
     out.mkdir(parents=True, exist_ok=True)
     run = EmbeddingRun(label, out)
     previous = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
-    defaults = {"attention": "causal"}  # results written before a key existed
-    same_model = bool(previous) and all(previous.get(k, defaults.get(k)) == v for k, v in meta.items())
+    meta = {**meta, "data_dir": str(data_dir) if data_dir else None}  # local files and the Hub's differ
+    same_model = bool(previous) and same_run(previous, meta)
     if previous and not same_model:
         set_aside_other_model(out)
         previous = {}
@@ -207,20 +207,29 @@ def evaluate_model_on_tasks(
             run.scores[name] = float(task_result.get_score())
         except (KeyError, ValueError, LocalDataError, FileNotFoundError, OSError, ConnectionError) as err:
             message = str(err) if isinstance(err, LocalDataError) else f"{name}: {type(err).__name__}: {err}"
-            if data_dir is None and not isinstance(err, LocalDataError):
+            if data_dir is None and not isinstance(err, (LocalDataError, KeyError)):  # KeyError: unknown name
                 message += " (offline? pass --data-dir with the task's files)"
             logger.error("task failed: %s", message)
             run.errors[name] = message
             atomic_write_json(out / f"{name}.error.json", {"task": name, "error": message})
-            (out / f"{name}.json").unlink(missing_ok=True)
+            if done.is_file():  # only this model's results stay in the folder: its earlier one still holds
+                logger.warning("%s: kept this model's earlier result %s", name, done)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
-        write_run_record(out, meta, previous, run, data_dir)  # after every task: a stopped suite resumes
+        write_run_record(out, meta, previous, run)  # after every task: a stopped suite resumes
     if not run.runtimes:
-        write_run_record(out, meta, previous, run, data_dir)
+        write_run_record(out, meta, previous, run)
     return run
 
 
-def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun, data_dir: Path | None) -> None:
+def same_run(previous: dict, meta: dict) -> bool:
+    """Whether a ``run.json`` was written for the model of ``meta``: every key equal, except that an adapter
+    is known by its content hash (``revision``), not the path it was given by."""
+    defaults = {"attention": "causal"}  # results written before a key existed
+    ignored = {"adapter"} if meta.get("revision", "base") != "base" else set()
+    return all(previous.get(k, defaults.get(k)) == v for k, v in meta.items() if k not in ignored)
+
+
+def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun) -> None:
     """``run.json``: the model's ``meta`` and the runtimes and errors of every task evaluated under the label.
 
     Runs of the same label on other tasks add to its record; a task run again replaces its entry.
@@ -235,7 +244,6 @@ def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun, d
             "versions": versions(),
             "tasks": runtimes,
             "errors": errors,
-            "data_dir": str(data_dir) if data_dir else None,
         },
     )
 
@@ -303,11 +311,13 @@ def evaluate_embeddings(
     )
     pooling = encoder.pooling  # 'auto' resolved from the adapter
     revision = adapter_revision(adapter)
+    weights = model_revision(model)  # a local model folder: retrained weights are another model
     label = label or default_label(model, adapter, pooling)
     cache = None
     if use_cache:
         namespace = namespace_key(
             model=model,
+            **({"model_revision": weights} if weights else {}),
             adapter=revision,
             pooling=pooling,
             max_length=encoder.max_length,
@@ -320,6 +330,7 @@ def evaluate_embeddings(
     wrapped = MTEBEncoder(encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size)
     meta = {
         "model": model,
+        **({"model_revision": weights} if weights else {}),
         "adapter": adapter,
         "pooling": pooling,
         "attention": encoder.attention,

@@ -62,6 +62,9 @@ def lm_eval_name(task: str) -> str:
 
 def check_registry_tasks(names: list[str], manager) -> None:
     """ValueError naming the tasks that are neither local nor in lm-eval's registry."""
+    tags = sorted(set(names) & set(manager.all_tags))
+    if tags:  # a tag runs its tasks but reports no score under its own name
+        raise ValueError(f"{tags}: lm-eval tag(s), not tasks; name the tasks themselves (e.g. ai2_arc -> arc_easy)")
     unknown = sorted(set(names) - set(manager.all_tasks))
     if unknown:
         raise ValueError(
@@ -200,6 +203,8 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
                 bootstrap_iters=1000,
             )
         name = lm_eval_name(task)
+        if name not in {**results.get("groups", {}), **results["results"]}:
+            raise RuntimeError(f"lm-eval returned no score for {name!r}, only for {sorted(results['results'])}")
         records[task] = {
             "meta": meta,
             "seconds": round(time.perf_counter() - start, 1),

@@ -64,10 +64,20 @@ def read_jsonl(path: Path, required: tuple[str, ...], task_name: str) -> Iterato
                 raise LocalDataError(
                     f"{task_name}: {path}, line {number}: not a valid UTF-8 JSON object ({err})"
                 ) from err
+            if not isinstance(row, dict):
+                raise LocalDataError(f"{task_name}: {path}, line {number}: not a JSON object ({raw[:40]!r})")
             missing = [key for key in required if key not in row]
-            if not isinstance(row, dict) or missing:
+            if missing:
                 raise LocalDataError(f"{task_name}: {path}, line {number}: missing field(s) {missing}")
             yield row
+
+
+def as_int(value, where: str) -> int:
+    """``int(value)`` for a label or relevance score, or a :class:`LocalDataError` naming ``where``."""
+    try:
+        return int(value)
+    except (TypeError, ValueError) as err:
+        raise LocalDataError(f"{where}: expected an integer, got {value!r}") from err
 
 
 def _columns(rows: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list]:
@@ -115,7 +125,7 @@ def load_pair_classification(folder: Path, task_name: str, splits: list[str]) ->
         out[split] = {
             "sentence1": [r["sentence1"] for r in rows],
             "sentence2": [r["sentence2"] for r in rows],
-            "labels": [int(r["label"]) for r in rows],
+            "labels": [as_int(r["label"], f"{task_name}: {split}.jsonl label") for r in rows],
         }
     return out
 
@@ -138,7 +148,8 @@ def load_retrieval(folder: Path, task_name: str, splits: list[str]) -> dict[str,
                     raise LocalDataError(
                         f"{task_name}: {qrels_path}, line {number}: expected query-id, corpus-id, score"
                     )
-                relevant.setdefault(row[0], {})[row[1]] = int(row[2])
+                score = as_int(row[2], f"{task_name}: {qrels_path}, line {number}, score (header: query-id ...)")
+                relevant.setdefault(row[0], {})[row[1]] = score
         out[split] = {
             "corpus": {
                 "id": [str(d["_id"]) for d in corpus],

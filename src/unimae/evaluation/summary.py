@@ -43,10 +43,13 @@ class SummaryRow:
 
 
 def task_type(name: str) -> str:
+    """mteb's task type of ``name`` ('unknown' for a name mteb does not know: its row shows it failed)."""
     import mteb
 
-    kind = mteb.get_task(name).metadata.type
-    return "Reranking" if kind == "Retrieval" and name in ("SciDocsRR", "StackOverflowDupQuestions") else kind
+    try:
+        return mteb.get_task(name).metadata.type
+    except KeyError:
+        return "unknown"
 
 
 def row_folder(results_dir: Path, label: str) -> tuple[str, Path]:
@@ -54,8 +57,10 @@ def row_folder(results_dir: Path, label: str) -> tuple[str, Path]:
     a row whose task JSONs live elsewhere (e.g. a row already scored in another table), read where it is.
     A folder ``results_dir/<entry>`` wins, so labels such as ``p_mar=0.5`` or ``k=1`` stay plain labels."""
     name, sep, folder = label.partition("=")
-    if not sep or (results_dir / label).is_dir():
+    if (results_dir / label).is_dir():
         return label, results_dir / label
+    if not sep:
+        raise FileNotFoundError(f"--labels entry {label!r}: no results folder {results_dir / label}")
     if not name or not folder:
         raise ValueError(f"--labels entry {label!r}: expected LABEL or LABEL=FOLDER")
     if not Path(folder).is_dir():

@@ -1,0 +1,48 @@
+"""What makes two evaluation runs "the same model" (so results are reused), and bad labels and data lines."""
+
+import os
+
+import pytest
+
+from unimae.adapter import model_revision
+from unimae.evaluation.embeddings import same_run
+from unimae.evaluation.local_data import LocalDataError, load_pair_classification, read_jsonl
+from unimae.evaluation.summary import row_folder, task_type
+
+META = {"model": "m", "adapter": "runs/x/adapter", "revision": "abc", "pooling": "eos", "data_dir": "d"}
+
+
+def test_an_adapter_is_known_by_its_content_not_its_path():
+    assert same_run({**META, "adapter": "./runs/x/adapter"}, META)
+    assert not same_run({**META, "revision": "def"}, META)
+    assert not same_run({**META, "data_dir": None}, META)  # local files and the Hub's are other data
+    base = {**META, "adapter": None, "revision": "base"}
+    assert not same_run({**base, "adapter": "a"}, base)
+
+
+def test_a_model_folder_changes_revision_when_its_weights_are_rewritten(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"old")
+    first = model_revision(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"new weights")
+    assert model_revision(str(tmp_path)) != first
+    assert model_revision("smollm2-135m") is None  # registry names and Hub ids name fixed weights
+
+
+def test_summary_labels_and_unknown_tasks(tmp_path):
+    (tmp_path / "k=1").mkdir()
+    assert row_folder(tmp_path, "k=1") == ("k=1", tmp_path / "k=1")
+    with pytest.raises(FileNotFoundError, match="no results folder"):
+        row_folder(tmp_path, "typo")
+    assert task_type("STSBenchmrk") == "unknown"  # a failed task's row, not a KeyError
+
+
+def test_local_data_lines_that_are_not_objects_or_have_bad_labels(tmp_path):
+    path = tmp_path / "test.jsonl"
+    path.write_text('{"text": "a"}\n42\n')
+    with pytest.raises(LocalDataError, match="line 2: not a JSON object"):
+        list(read_jsonl(path, ("text",), "T"))
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    (folder / "test.jsonl").write_text('{"sentence1": "a", "sentence2": "b", "label": "yes"}' + os.linesep)
+    with pytest.raises(LocalDataError, match="expected an integer, got 'yes'"):
+        load_pair_classification(folder, "T", ["test"])
