@@ -3,7 +3,8 @@
 For each engine, greedy decoding of ``--new-tokens`` tokens (EOS ignored on both sides, so every run has
 the same length) after a ~120-token prompt:
 
-- ``tok_s_1``: one stream; completion tokens / seconds from the request to its last token;
+- ``tok_s_1``: one stream; completion tokens / seconds from the request to its last token (unimae: through
+  the in-flight batching scheduler, a batch of one, as ``unimae serve`` decodes one request);
 - ``decode_tok_s_1``: the same run after its first token: (tokens - 1) / (last - first token time);
 - ``ttft_s``: the same run's time to its first streamed text;
 - ``tok_s_8``: ``--streams`` concurrent requests (different prompts); all their tokens / wall seconds.
@@ -31,6 +32,7 @@ their median. Both use ``--threads`` threads (default: all cores this process ma
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import statistics
@@ -40,7 +42,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# isort: off
+import unimae  # noqa: F401  (first: sets the OpenMP wait policy before torch loads, see unimae.threads)
 import torch
+
+# isort: on
 
 from unimae.files import update_json
 from unimae.runtime import cpu_model
@@ -80,9 +86,10 @@ class Run:
 
 
 class Unimae:
-    """unimae's ``generate_stream`` on an Encoder's model: one stream through ``decode_tokens`` (as
-    ``Encoder.generate``), concurrent streams through the server's in-flight batching scheduler unless
-    ``batching`` is off."""
+    """unimae's ``generate_stream`` on an Encoder's model through the server's in-flight batching scheduler,
+    one stream and concurrent ones, as ``unimae serve`` runs them: every forward on the scheduler's model
+    thread (see :mod:`unimae.threads`). ``batching`` off: ``decode_tokens`` in each request's thread
+    (``serve --no-continuous-batching``)."""
 
     def __init__(self, encoder, streams: int, batching: bool = True):
         from unimae.serving.scheduler import GenerationScheduler
@@ -99,7 +106,7 @@ class Unimae:
         from unimae.generation import GenerationParams, GenerationResult, generate_stream
 
         params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
-        decode = self.scheduler.decode if concurrent and self.scheduler is not None else decode_tokens
+        decode = self.scheduler.decode if self.scheduler is not None else decode_tokens
         start, first, result = time.perf_counter(), None, None
         for item in generate_stream(
             self.encoder.model, self.encoder.tokenizer, ids, params, precision=self.encoder.precision, decode=decode
@@ -200,6 +207,73 @@ def concurrent(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     }
 
 
+def make_unimae(model: str, precision: str, threads: int, streams: int, batching: bool) -> tuple[Unimae, dict]:
+    """(the unimae engine, its facts: precision and the benchmark's prompts, tokenized by its tokenizer)."""
+    from unimae.encoder import Encoder
+
+    torch.set_num_threads(threads)
+    encoder = Encoder.from_pretrained(model, pooling="eos", precision=precision, max_length=512)
+    prompts = [encoder.tokenizer(f"{PARAGRAPH} {ENDINGS[i % len(ENDINGS)]}")["input_ids"] for i in range(streams)]
+    return Unimae(encoder, streams, batching), {"precision": encoder.precision, "prompts": prompts}
+
+
+def make_llamacpp(gguf: Path, gguf_type: str, threads: int, slots: int, context: int) -> tuple[LlamaCpp, dict]:
+    return LlamaCpp(gguf, gguf_type, threads, slots, context), {}
+
+
+def _engine_process(conn, make) -> None:
+    """A child process: build the engine with ``make()``, then answer ('warmup' | 'round', prompts, tokens)."""
+    engine, facts = make()
+    conn.send({"label": engine.label, **facts})
+    while (message := conn.recv()) is not None:
+        kind, prompts, new_tokens = message
+        if kind == "warmup":
+            engine.run(prompts[0], 4)
+            conn.send(None)
+        else:
+            conn.send(
+                {
+                    "single": single(engine, prompts[0], new_tokens),
+                    "concurrent": concurrent(engine, prompts, new_tokens),
+                }
+            )
+
+
+class EngineProcess:
+    """One engine in a process of its own (spawned), so that neither engine's OpenMP threads count against the
+    other's: torch and llama.cpp share one libgomp in a process, and libgomp stops spinning between parallel
+    regions once it manages more threads than there are CPUs (see :mod:`unimae.threads`). CPU ms per token
+    are the engine process's own."""
+
+    def __init__(self, make):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_engine_process, args=(child, make), daemon=True)
+        self._process.start()
+        self.facts = self._receive()
+        self.label = self.facts["label"]
+
+    def _receive(self):
+        if not self._conn.poll(1800):
+            raise RuntimeError("the engine process did not answer in 30 minutes")
+        return self._conn.recv()
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        self._conn.send(("warmup", prompts, 4))
+        self._receive()
+
+    def round(self, prompts: list[list[int]], first: int, new_tokens: int) -> dict:
+        """Single stream on ``prompts[first]``, then all ``prompts`` at once."""
+        self._conn.send(("round", prompts[first:] + prompts[:first], new_tokens))
+        return self._receive()
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join(60)
+
+
 def gguf_file_type(path: Path) -> str:
     """The file type a GGUF declares (``general.file_type``), e.g. 'q4_1' (its embeddings may be q8_0)."""
     from gguf import GGUFReader, LlamaFileType
@@ -290,26 +364,24 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = parse_args()
-    from unimae.encoder import Encoder
-
-    torch.set_num_threads(args.threads)
     loadavg_before = os.getloadavg()
-    encoder = Encoder.from_pretrained(args.model, pooling="eos", precision=args.precision, max_length=512)
-    tokenizer = encoder.tokenizer
-    prompts = [tokenizer(f"{PARAGRAPH} {ENDINGS[i % len(ENDINGS)]}")["input_ids"] for i in range(args.streams)]
+    ours = EngineProcess(
+        functools.partial(make_unimae, args.model, args.precision, args.threads, args.streams, not args.no_batching)
+    )
+    prompts, precision = ours.facts["prompts"], ours.facts["precision"]
     context = max(len(p) for p in prompts) + args.new_tokens + 8
     ggufs = build_ggufs(args.model, args.types)
-    engines = [Unimae(encoder, args.streams, not args.no_batching)]
-    engines += [LlamaCpp(path, t, args.threads, args.streams, context) for t, path in ggufs.items()]
+    theirs = [
+        EngineProcess(functools.partial(make_llamacpp, path, t, args.threads, args.streams, context))
+        for t, path in ggufs.items()
+    ]
+    engines = [ours, *theirs]
     for engine in engines:  # warm-up: first-call allocations, oneDNN weight packing
-        engine.run(prompts[0], 4)
+        engine.warm_up(prompts)
     rounds: dict[str, list[dict]] = {engine.label: [] for engine in engines}
     for r in range(args.repeats):
         for engine in engines:
-            result = {
-                "single": single(engine, prompts[r % len(prompts)], args.new_tokens),
-                "concurrent": concurrent(engine, prompts, args.new_tokens),
-            }
+            result = engine.round(prompts, r % len(prompts), args.new_tokens)
             rounds[engine.label].append(result)
             print(
                 f"round {r + 1}/{args.repeats} {engine.label:22s} 1 stream {result['single']['tok_s']:6.1f} tok/s "
@@ -318,6 +390,8 @@ def main() -> None:
                 f"{result['concurrent']['tok_s']:6.1f} tok/s",
                 flush=True,
             )
+    for engine in engines:
+        engine.close()
     machine = {
         "cpu_model": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
@@ -325,19 +399,19 @@ def main() -> None:
         "loadavg_after": os.getloadavg(),
         "note": "load averages above the core count mean other jobs shared the CPU during the run",
     }
-    ours = engines[0]
-    reference = next((e for e in engines[1:] if e.gguf_type == "f16"), engines[1] if len(engines) > 1 else None)
-    unimae = {**summarize(rounds[ours.label]), "precision": encoder.precision, "threads": args.threads}
-    unimae["cpu_model"] = machine["cpu_model"]
-    update = {"unimae": unimae}
+    types = list(ggufs)
+    reference = "f16" if "f16" in types else (types[0] if types else None)
+    summary = {**summarize(rounds[ours.label]), "precision": precision, "threads": args.threads}
+    summary["cpu_model"] = machine["cpu_model"]
+    update = {"unimae": summary}
     by_type = {}
-    for engine in engines[1:]:
-        entry = {**summarize(rounds[engine.label]), "gguf": str(engine.gguf), "gguf_type": engine.gguf_type}
+    for (gguf_type, path), engine in zip(ggufs.items(), theirs, strict=True):
+        entry = {**summarize(rounds[engine.label]), "gguf": str(path), "gguf_type": gguf_type}
         entry.update(threads=args.threads, cpu_model=machine["cpu_model"])
         entry["unimae_over_llama_cpp"] = ratios(rounds[ours.label], rounds[engine.label])
-        by_type[engine.gguf_type] = entry
+        by_type[gguf_type] = entry
     if reference is not None:
-        update["llama.cpp"] = by_type[reference.gguf_type]
+        update["llama.cpp"] = by_type[reference]
     update["generation_benchmark"] = {
         "settings": {
             "model": args.model,
@@ -356,7 +430,7 @@ def main() -> None:
     print(
         f"\nCPU: {machine['cpu_model']} ({machine['cores']} cores, load {loadavg_before} -> {machine['loadavg_after']})"
     )
-    print(f"unimae {encoder.precision}: {unimae['tok_s_1']:.1f} tok/s, {args.streams} streams {unimae['tok_s_8']:.1f}")
+    print(f"unimae {precision}: {summary['tok_s_1']:.1f} tok/s, {args.streams} streams {summary['tok_s_8']:.1f}")
     for t, entry in by_type.items():
         ratio = entry["unimae_over_llama_cpp"]
         print(

@@ -20,6 +20,7 @@ from unimae.decoding import decode_tokens, eos_token_ids, packed_supported
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
 from unimae.models import load_model
+from unimae.serving.model_lock import THREAD_NAME as MODEL_THREAD
 from unimae.serving.model_lock import ModelLock
 from unimae.serving.scheduler import THREAD_NAME, GenerationScheduler
 
@@ -248,6 +249,43 @@ def test_generate_stream_takes_its_tokens_from_the_scheduler(tiny_model_dirs, ga
         scheduler.decode(other, ids, GenerationParams(), set())
     with pytest.raises(ValueError, match="its own model"):
         scheduler.decode(model, ids, GenerationParams(), set(), precision="bf16")
+
+
+def test_model_lock_runs_every_call_on_one_thread_of_its_own():
+    lock = ModelLock()
+    names = [lock.run(lambda: threading.current_thread().name) for _ in range(3)]
+    idents = {lock.run(threading.get_ident) for _ in range(3)} | {lock.call(threading.get_ident)}
+    assert len(set(names)) == 1 and names[0].startswith(MODEL_THREAD) and len(idents) == 1
+    assert threading.get_ident() not in idents
+    assert lock.run(lambda: lock.run(lambda: 7)) == 7  # a call from the model's thread runs in place, no deadlock
+    with pytest.raises(ValueError, match="bad chunk"):
+        lock.run(_fail, "bad chunk")  # the error comes back to the caller
+    assert lock.run(lambda: 1) == 1  # and the lock was released
+
+
+def _fail(message: str):
+    raise ValueError(message)
+
+
+def test_scheduler_decodes_on_the_model_lock_thread(tiny_model_dirs):
+    model, _ = _load(tiny_model_dirs["llama"])
+    lock = ModelLock()
+    seen = set()
+    original = GenerationScheduler._step_rows
+
+    def observed(self, decoder):
+        seen.add(threading.current_thread().name)
+        return original(self, decoder)
+
+    scheduler = GenerationScheduler(model, "fp32", 2, lock)
+    scheduler._step_rows = observed.__get__(scheduler)
+    scheduler.start()
+    try:
+        params = GenerationParams(max_new_tokens=4, ignore_eos=True)
+        assert len(list(scheduler.submit([1, 2, 3], params, set()))) == 4
+    finally:
+        scheduler.stop()
+    assert len(seen) == 1 and next(iter(seen)).startswith(MODEL_THREAD)
 
 
 def test_model_lock_serves_callers_in_the_order_they_asked():

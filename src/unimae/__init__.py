@@ -1,7 +1,11 @@
 """unimae: one decoder-only LLM for generation and sentence embeddings (UniMAE, ACL 2025)."""
 
-from unimae.config import TrainConfig
-from unimae.encoder import Encoder
+from unimae.threads import default_spin
+
+default_spin()  # before anything imports torch: see unimae.threads
+
+from unimae.config import TrainConfig  # noqa: E402
+from unimae.encoder import Encoder  # noqa: E402
 
 __all__ = ["Encoder", "TrainConfig", "train"]
 __version__ = "0.1.0"

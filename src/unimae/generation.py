@@ -2,7 +2,7 @@
 
 One code path serves ``Encoder.generate``, ``unimae ask`` and the server's completions/chat routes:
 ``generate_stream`` runs the token loop of :mod:`unimae.decoding` (prefill, then one forward per token)
-in a worker thread and yields text pieces as tokens come, then a :class:`GenerationResult`;
+in the caller's thread and yields text pieces as tokens come, then a :class:`GenerationResult`;
 ``generate_text`` collects it. A prefix ``past_key_values`` (e.g. the KV cache of the query's embedding
 pass, see ``unimae.rag``) is copied into the generation's cache, so only the uncached tail of the prompt
 is prefilled.
@@ -16,7 +16,6 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 
 from unimae.decoding import decode_tokens, eos_token_ids, reusable_prefix
 
@@ -98,20 +97,6 @@ def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-_DONE = object()
-
-
-def _produce(tokens: Iterator[int], queue: SimpleQueue) -> None:
-    """Worker thread: run the token loop, pass each token (then any error, then ``_DONE``) to the consumer."""
-    try:
-        for token in tokens:
-            queue.put(token)
-    except BaseException as err:  # re-raised in the consumer's thread
-        queue.put(err)
-    finally:
-        queue.put(_DONE)
-
-
 def generate_stream(
     model,
     tokenizer,
@@ -124,9 +109,8 @@ def generate_stream(
 ) -> Iterator[str | GenerationResult]:
     """Yield text pieces of the continuation of ``input_ids``, then one :class:`GenerationResult`.
 
-    The token loop runs in a worker thread of its own, as ``model.generate`` did before it (on a 2-core
-    machine shared with other jobs, with 2 intra-op threads, the same loop ran about 3x slower in the main
-    thread than in a fresh one: OpenMP's barriers wait on descheduled threads). Stop strings are cut from the text
+    The token loop runs in the caller's thread, one token per iteration of this iterator: the model's
+    forwards stay on one thread (see :mod:`unimae.threads`). Stop strings are cut from the text
     (never streamed); ``past_key_values`` must hold the KV cache of a prefix of ``input_ids`` and is not
     modified. Setting ``cancel`` (from any thread) ends the generation within a token; so does closing
     this iterator early (it sets ``cancel``).
@@ -139,17 +123,14 @@ def generate_stream(
     cancel = cancel or threading.Event()
     eos = set() if params.ignore_eos else eos_token_ids(model, tokenizer)
     cached = reusable_prefix(past_key_values, len(input_ids))
-    queue: SimpleQueue = SimpleQueue()
     tokens = decode(model, input_ids, params, eos, precision, past_key_values, cancel)
-    worker = threading.Thread(target=_produce, args=(tokens, queue), name="unimae-generate", daemon=True)
-    worker.start()
     detokenizer = _Detokenizer(tokenizer)
     hold = max((len(s) - 1 for s in params.stop), default=0)  # a tail that could start a stop string
     text, sent, stopped, count, last = "", 0, False, 0, None
     try:
-        while (token := queue.get()) is not _DONE and not cancel.is_set():
-            if isinstance(token, BaseException):
-                raise token
+        for token in tokens:
+            if cancel.is_set():
+                break
             count, last = count + 1, token
             text += detokenizer.add(token)
             visible, stopped = _cut_at_stop(text, params.stop)
@@ -160,8 +141,9 @@ def generate_stream(
             if stopped:
                 break
     finally:
-        cancel.set()  # a consumer that stopped early (stop string, client gone) ends the loop; harmless after it
-        worker.join()
+        cancel.set()  # a consumer that stopped early (stop string, client gone) ends the token source too
+        if hasattr(tokens, "close"):
+            tokens.close()
     if not stopped:
         text += detokenizer.flush()
         visible, stopped = _cut_at_stop(text, params.stop)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from unimae.adapter import adapter_revision
 from unimae.decoding import decode_tokens
@@ -124,19 +125,23 @@ class RAG:
         reuse_kv: bool | None = None,
         cancel: threading.Event | None = None,
         decode: Callable[..., Iterator[int]] = decode_tokens,
+        on_model: Callable[..., Any] | None = None,
     ) -> Iterator[list[Hit] | str | RAGAnswer]:
         """Yield the retrieved hits, then answer text pieces, then the :class:`RAGAnswer`.
 
         ``cancel`` (set by a caller whose client left) ends the generation within a token. ``decode``: the
         token source (see :func:`~unimae.generation.generate_stream`; the server's batching scheduler).
+        ``on_model(fn, *args)``: runs the query's embedding pass (the server's ``ModelLock.run``, so every
+        forward stays on one thread); by default it runs here.
         """
+        on_model = on_model or _call
         params = params or GenerationParams(max_new_tokens=128)
         self.check_budget(query, params.max_new_tokens)
         reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
         if self.encoder.spec.is_last_token:
-            vector, query_ids, cache = self.encoder.encode_with_cache(query, normalize=True)  # (D,), ids, KV
+            vector, query_ids, cache = on_model(self.encoder.encode_with_cache, query, normalize=True)  # (D,), ids, KV
         else:  # the embedding pass is not a causal prefix of the prompt: nothing to reuse
-            vector, cache, reuse = self.encoder.encode([query], normalize=True)[0], None, False
+            vector, cache, reuse = on_model(self.encoder.encode, [query], normalize=True)[0], None, False
             query_ids = self.encoder.prompt_ids(query) + [self.encoder.tokenizer.eos_token_id]
         hits = self.index.search(vector[None], k or self.config.k)[0]
         ids = query_ids + self.prompt_tail(query, hits)
@@ -174,6 +179,10 @@ class RAG:
             if isinstance(item, RAGAnswer):
                 return item
         raise RuntimeError("RAG ended without an answer")
+
+
+def _call(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    return fn(*args, **kwargs)
 
 
 def load_index_and_encoder(

@@ -1,7 +1,7 @@
 """Dynamic batching of embedding requests, scheduled by tokens: large requests are cut into chunks that
 interleave with small ones, and the work of a caller that has gone is dropped.
 
-One scheduling round builds one *chunk*: one ``embed`` call (one forward pass, in a worker thread) of at most
+One scheduling round builds one *chunk*: one ``embed`` call (one forward pass, off the event loop) of at most
 ``chunk_tokens`` padded tokens (texts x longest text) and ``max_batch_texts`` texts. A waiting request is
 *small* if what it has left fits in one chunk, *large* otherwise.
 

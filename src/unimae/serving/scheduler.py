@@ -24,15 +24,16 @@ How (the arithmetic is :class:`unimae.decoding.Decoder`'s):
   step has the model, so a cancelled row costs at most the step it is in and frees its place for the next one.
 - Sharing the model: a prefill or a step holds the server's :class:`ModelLock`, which the embedding batcher
   holds for one chunk; the lock is FIFO, so embedding chunks run between decode steps: a chunk waits for at
-  most one step (or prefill), a step for at most one chunk.
+  most one step (or prefill), a step for at most one chunk. Both run on the lock's one thread
+  (:meth:`ModelLock.run`), not on this scheduler's: see :mod:`unimae.threads`.
 - Bounds: at most ``max_batch`` rows; what is submitted is bounded by the routes' ``GenerationSlots`` (sized
   ``max_batch`` running + ``--max-queued-generations`` waiting, then 429 before the stream's 200).
 - Errors: a prefill that fails ends its request with the error; a step that fails ends the rows in it; the
   scheduler goes on. Stopping ends every generation left with an error.
 
-Deviation from an ``asyncio.Queue`` per request: tokens go into a thread-safe queue read by
-``generate_stream``'s worker thread, where ``decode_tokens`` ran before, so the routes and the text logic are
-unchanged; that costs one thread hand-off per token, small next to a decode step.
+Deviation from an ``asyncio.Queue`` per request: tokens go into a thread-safe queue read by the thread that
+runs ``generate_stream`` (the route's worker thread, as with ``decode_tokens``), so the routes and the text
+logic are unchanged; that costs one thread hand-off per token, small next to a decode step.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class GenerationScheduler:
     def _run(self) -> None:
         error: Exception = RuntimeError("the server is shutting down")
         try:
-            decoder = Decoder(self.model, self.precision)
+            decoder = self.lock.call(Decoder, self.model, self.precision)  # packs bf16 weights on the model's thread
             while (arrivals := self._arrivals()) is not None:
                 for request in arrivals:
                     self._prefill(decoder, request)
@@ -206,10 +207,7 @@ class GenerationScheduler:
             self._end(request, cancelled=True)
             return
         try:
-            with self.lock:
-                args = (request.input_ids, request.params, request.eos_ids, request.prefix)
-                request.state = DecodeState.start(self.model, *args)
-                token = decoder.prefill(request.state)
+            token = self.lock.run(self._start, decoder, request)
         except Exception as err:  # this request's fault (or its prompt's): the others go on
             self._end(request, err)
             return
@@ -220,30 +218,43 @@ class GenerationScheduler:
         else:
             self._rows.append(request)
 
+    def _start(self, decoder: Decoder, request: _Request) -> int:
+        """On the model's thread: ``request``'s cache (its prefix copied in) and prefill -> its first token."""
+        args = (request.input_ids, request.params, request.eos_ids, request.prefix)
+        request.state = DecodeState.start(self.model, *args)
+        return decoder.prefill(request.state)
+
     def _step(self, decoder: Decoder) -> None:
         """One token for every row; rows that are done (or gone) leave the batch."""
-        with self.lock:
-            for request in [r for r in self._rows if r.gone()]:  # checked once the model is ours
-                self._rows.remove(request)
-                self._end(request, cancelled=True)
-            rows = list(self._rows)
-            if not rows:
-                return
-            try:
-                tokens = decoder.step([r.state for r in rows])
-            except Exception as err:  # every row of this step fails; later requests go on
-                self._rows = []
-                for request in rows:
-                    self._end(request, err)
-                return
+        rows = self.lock.run(self._step_rows, decoder)
+        if not rows:
+            return
         self.stats.steps += 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(rows))
-        for request, token in zip(rows, tokens, strict=True):
+        for request, token in rows:
             self._deliver(request, token)
-        self._rows = [r for r in rows if not r.state.finished]
-        for request in rows:
+        self._rows = [r for r, _ in rows if not r.state.finished]
+        for request, _ in rows:
             if request.state.finished:
                 self._end(request)
+
+    def _step_rows(self, decoder: Decoder) -> list[tuple[_Request, int]]:
+        """On the model's thread, lock held: drop the rows that are gone (checked once the model is ours), then
+        one decode step -> (row, token) pairs; a step that fails ends its rows ([])."""
+        for request in [r for r in self._rows if r.gone()]:
+            self._rows.remove(request)
+            self._end(request, cancelled=True)
+        rows = list(self._rows)
+        if not rows:
+            return []
+        try:
+            tokens = decoder.step([r.state for r in rows])
+        except Exception as err:  # every row of this step fails; later requests go on
+            self._rows = []
+            for request in rows:
+                self._end(request, err)
+            return []
+        return list(zip(rows, tokens, strict=True))
 
     def _deliver(self, request: _Request, token: int) -> None:
         self.stats.tokens += 1

@@ -60,7 +60,7 @@ class ServerState:
             size=lambda item: len(item.ids),
             on_idle=release_free_memory,
         )
-        warm_up(encoder.model, encoder.precision)  # bf16: pack the decode weights now, not in the first request
+        lock.run(warm_up, encoder.model, encoder.precision)  # bf16: pack the decode weights now, on the model's thread
         scheduler = None
         running = config.max_concurrent_generations
         if config.continuous_batching:
@@ -135,8 +135,7 @@ class ServerState:
 def _embed_chunk(encoder: Encoder, lock: ModelLock, inputs: list[PooledInput]) -> np.ndarray:
     """One chunk of the batcher -> (N, D) unit rows, in ONE forward pass (its token budget is per pass), with
     the model to itself: between two decode steps of the generation scheduler."""
-    with lock:
-        return encoder.encode_inputs(inputs, batch_size=len(inputs), normalize=True, show_progress=False)
+    return lock.run(encoder.encode_inputs, inputs, batch_size=len(inputs), normalize=True, show_progress=False)
 
 
 async def get_state(request: Request) -> ServerState:

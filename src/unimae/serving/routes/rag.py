@@ -45,6 +45,7 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
         reuse_kv=body.reuse_kv,
         cancel=cancel,
         decode=state.decode,
+        on_model=state.lock.run,
     )
     model = state.config.model_name
     if body.stream:
