@@ -7,7 +7,7 @@
 #   MODEL=gemma3-270m  bash recipes/table1.sh
 # Environment: TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS (training
 # runs), OUT (results), GEM_STEPS / GEM_SWITCH (GEM's length and its NTP -> contrastive switch step; the
-# paper switches after 100 steps), SIMCSE_STEPS (length of each SimCSE stage), TRAIN_FLAGS (extra
+# paper: 1,000 and 100), SIMCSE_STEPS (length of each SimCSE stage), TRAIN_FLAGS (extra
 # `unimae train` flags for every run, e.g. "--batch-size 8 --max-length 64" for a cheaper table; the
 # per-method flags above come after them and win).
 set -euo pipefail
@@ -17,7 +17,7 @@ RUNS=${RUNS:-runs/$MODEL}
 OUT=${OUT:-results/table1-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
 TASKS=${TASKS:-dev}
-GEM_STEPS=${GEM_STEPS:-200}
+GEM_STEPS=${GEM_STEPS:-1000}
 GEM_SWITCH=${GEM_SWITCH:-100}
 SIMCSE_STEPS=${SIMCSE_STEPS:-100}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
@@ -43,12 +43,12 @@ train unimae --method unimae
 evaluate unimae-eos --adapter "$RUNS/unimae/adapter"
 train mntp --method mntp
 evaluate mntp-mean --adapter "$RUNS/mntp/adapter"
-train gem --method gem --steps "$GEM_STEPS" --gem-switch-step "$GEM_SWITCH"
-evaluate gem-summary --adapter "$RUNS/gem/adapter"
+# GEM: the paper's recipe, run by its k ablation (k = 1, the paper's default, is this table's row)
+MODEL=$MODEL K_VALUES=1 STEPS=$GEM_STEPS SWITCH=$GEM_SWITCH TASKS="$TASKS" bash recipes/gem_ablation.sh
 train unimae-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$RUNS/unimae/adapter"
 evaluate unimae-simcse-eos --adapter "$RUNS/unimae-simcse/adapter"
 train mntp-simcse --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$RUNS/mntp/adapter"
 evaluate mntp-simcse-mean --adapter "$RUNS/mntp-simcse/adapter"
 # shellcheck disable=SC2086  # TASKS is a word list on purpose
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name table1 --labels base-mean base-echo mntp-mean \
-  unimae-eos mntp-simcse-mean unimae-simcse-eos gem-summary all-MiniLM-L6-v2
+  unimae-eos mntp-simcse-mean unimae-simcse-eos "gem-summary=results/ablation-gem-k-$MODEL/k=1" all-MiniLM-L6-v2
