@@ -497,6 +497,44 @@ def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp
     assert json.loads((tmp_path / "tasks" / "piqa.json").read_text())["n_samples"]["effective"] == 3
 
 
+@needs_data
+def test_a_task_stopped_part_way_resumes_after_its_answered_requests(uniform_lm_dir, tmp_path, monkeypatch):
+    """lm-eval's request cache keeps what a stopped task answered; the rerun asks the model only for the rest."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from unimae.evaluation import generation
+
+    def run():
+        return generation.evaluate_generation(
+            str(uniform_lm_dir), None, tmp_path, SHARED_DATA, tasks=["piqa"], limit=3, max_length=128, precision="fp32"
+        )
+
+    evaluate = lm_eval.simple_evaluate
+
+    def stopped(*args, **kwargs):
+        evaluate(*args, **kwargs)
+        raise KeyboardInterrupt  # as if stopped after every request was answered, before the record
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert not (tmp_path / "tasks" / "piqa.json").exists()
+    assert len(list((tmp_path / "tasks").glob(".requests-piqa-*"))) == 1
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
+    asked = []
+    loglikelihood = HFLM.loglikelihood
+
+    def counting(self, requests, *args, **kwargs):
+        asked.extend(requests)
+        return loglikelihood(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(HFLM, "loglikelihood", counting)
+    result = run()
+    assert asked == [] and result["n_samples"]["piqa"]["effective"] == 3  # all 6 answers came from the cache
+    assert not list((tmp_path / "tasks").glob(".requests-*"))  # removed with the record written
+
+
 def test_generation_without_data_dir_is_a_clear_error(tiny_model_dirs, tmp_path):
     from unimae.evaluation.generation import evaluate_generation
 

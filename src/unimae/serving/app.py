@@ -4,15 +4,15 @@ Routes: ``POST /v1/embeddings``, ``POST /v1/completions``, ``POST /v1/chat/compl
 ``POST /v1/rag`` (with ``--index``), ``GET /v1/models``, ``GET /health``. Every error is an OpenAI-style
 body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests.
 
-Model work runs on one thread, the model lock's (see ``model_lock.py``); parsing and tokenizing a request run
-in worker threads (a body of a few MB would otherwise stall every other request). Embedding requests go through a :class:`DynamicBatcher` that schedules
-by tokens: a large request is embedded in chunks of ``embed_chunk_tokens`` between the others, and a client
-that disconnects cancels its remaining chunks. Generations are batched in flight by a
-:class:`~unimae.serving.scheduler.GenerationScheduler`: up to ``max_batch_generations`` decode together, one token
-each per step, a new one joining at the next step (``--no-continuous-batching``: ``max_concurrent_generations``
-at once, each on its own thread); ``max_queued_generations`` more may wait, and further ones get 429. A client
-that disconnects from a stream stops its generation within a token. Embedding chunks and decode steps take
-turns on the model (a FIFO lock, ``model_lock.py``).
+Model work runs on one thread, the model lock's (see ``model_lock.py``); parsing and tokenizing a request run in
+worker threads (a body of a few MB would otherwise stall every other request). Embedding requests go through a
+:class:`DynamicBatcher` that schedules by tokens: a large request is embedded in chunks of ``embed_chunk_tokens``
+between the others, and a client that disconnects cancels its remaining chunks. Generations are batched in flight
+by a :class:`~unimae.serving.scheduler.GenerationScheduler`: up to ``max_batch_generations`` decode together, one
+token each per step, a new one joining at the next step (``--no-continuous-batching``:
+``max_concurrent_generations`` at once, each on its own thread); ``max_queued_generations`` more may wait, and
+further ones get 429. A client that disconnects from a stream stops its generation within a token. Embedding
+chunks and decode steps take turns on the model (a FIFO lock, ``model_lock.py``).
 
 Where things are: the routes in ``routes/`` (one router per group), the state they share in ``state.py``,
 generation slots in ``slots.py``, continuous batching of generations in ``scheduler.py``, the model lock in
