@@ -124,7 +124,7 @@ def evaluate_generation(
     Each task's result is kept in ``output_dir/tasks/<task>.json`` with what it was run on (model,
     adapter revision, limit, max length, precision): a suite stopped part-way (the full one takes
     hours on a CPU) resumes after its finished tasks; ``rerun`` redoes them. A task stopped part-way
-    (HellaSwag alone is 40k requests, about 2 hours for SmolLM2 on 2 cores) resumes after its answered
+    (HellaSwag alone is 40k requests, 75 min to 2 h for SmolLM2 on 2 cores) resumes after its answered
     requests: lm-eval's own request cache (``use_cache``), one per task and run identity, deleted
     once the task's record is written.
     """
