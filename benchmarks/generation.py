@@ -101,7 +101,7 @@ class Unimae:
             self.scheduler = GenerationScheduler(encoder.model, encoder.precision, max_batch=streams)
             self.scheduler.start()
 
-    def run(self, ids: list[int], new_tokens: int, concurrent: bool = False) -> Run:
+    def run(self, ids: list[int], new_tokens: int) -> Run:
         from unimae.decoding import decode_tokens
         from unimae.generation import GenerationParams, GenerationResult, generate_stream
 
@@ -134,7 +134,7 @@ class LlamaCpp:
         self.server = xllamacpp.Server(params)
         self.label, self.gguf, self.gguf_type = f"llama.cpp ({gguf_type})", gguf, gguf_type
 
-    def run(self, ids: list[int], new_tokens: int, concurrent: bool = False) -> Run:
+    def run(self, ids: list[int], new_tokens: int) -> Run:
         body = {
             "prompt": ids,
             "max_tokens": new_tokens,
@@ -180,7 +180,7 @@ def concurrent(engine, prompts: list[list[int]], new_tokens: int) -> dict:
 
     def work(i: int) -> None:
         try:
-            runs[i] = engine.run(prompts[i], new_tokens, concurrent=True)
+            runs[i] = engine.run(prompts[i], new_tokens)
         except BaseException as err:  # reported below, in the main thread
             errors.append(err)
 

@@ -42,7 +42,7 @@ class ModelLock:
         if _on_model_thread():
             return fn(*args, **kwargs)
         with self:
-            return self.call(fn, *args, **kwargs)
+            return self._thread.submit(fn, *args, **kwargs).result()
 
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """``fn(*args, **kwargs)`` on the model's thread without taking a turn: that thread runs one task at a
