@@ -13,6 +13,8 @@ import torch
 from conftest import SENTENCES
 
 from unimae.decoding import (
+    Decoder,
+    DecodeState,
     LlamaStep,
     PreallocatedLayer,
     decode_tokens,
@@ -139,6 +141,28 @@ def test_preallocated_layer_crop_rewinds_the_write_position():
     assert layer.get_seq_length() == 0
     with pytest.raises(NotImplementedError, match="fixed batch"):
         layer.batch_select_indices(torch.tensor([0]))
+
+
+def test_preallocated_layer_stores_fp32_and_gives_the_model_its_own_dtype():
+    layer = PreallocatedLayer(capacity=4, dtype=torch.float32)
+    k = torch.tensor([1.0078125, -3.5]).view(1, 1, 2, 1).bfloat16()  # (B, H_kv, T, D), exact in bf16
+    keys, values = layer.update(k, -k)  # the model's own attention (prefill): its dtype back
+    assert keys.dtype == values.dtype == torch.bfloat16 and torch.equal(keys, k)
+    keys, values = layer.append(k[:, :, :1], -k[:, :, :1])  # the lean step: the stored fp32, no cast
+    assert keys.dtype == values.dtype == torch.float32
+    assert keys.flatten().tolist() == [1.0078125, -3.5, 1.0078125] and torch.equal(values, -keys)
+
+
+def test_only_the_lean_decoder_stores_the_cache_in_fp32(tiny_model_dirs):
+    for arch, kv_dtype in (("llama", torch.float32), ("gemma3", None)):
+        model, _ = _load(tiny_model_dirs[arch], lora=False, dtype=torch.bfloat16)
+        decoder = Decoder(model, "bf16")
+        assert decoder.kv_dtype == kv_dtype, arch
+        state = DecodeState.start(model, [1, 2, 3], GenerationParams(max_new_tokens=2), set(), None, decoder.kv_dtype)
+        decoder.prefill(state)
+        decoder.step([state])
+        stored = {layer.keys.dtype for layer in state.cache.layers}
+        assert stored == {kv_dtype or torch.bfloat16}, arch
 
 
 def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
