@@ -169,7 +169,6 @@ def evaluate_model_on_tasks(
     Results that the folder holds from another model (another adapter revision, pooling, ...) are moved
     to ``superseded-<time>/`` first (see :func:`set_aside_other_model`), so one row never mixes two models.
     """
-    import mteb
     from mteb.results import TaskResult
 
     out = Path(output_dir) / label
@@ -190,35 +189,49 @@ def evaluate_model_on_tasks(
         (out / f"{name}.error.json").unlink(missing_ok=True)
         start = time.perf_counter()
         try:
-            task = english_task(name)
-            if data_dir is not None:
-                inject_local_data(task, data_dir)
-            result = mteb.evaluate(
-                model,
-                task,
-                cache=None,
-                co2_tracker=False,
-                raise_error=True,
-                encode_kwargs={"batch_size": batch_size},
-                show_progress_bar=False,
-            )
-            task_result = result.task_results[0]
-            atomic_write(out / f"{name}.json", task_result.to_disk)
-            run.scores[name] = float(task_result.get_score())
+            run.scores[name] = _evaluate_task(model, name, data_dir, batch_size, done)
         except (KeyError, ValueError, LocalDataError, FileNotFoundError, OSError, ConnectionError) as err:
-            message = str(err) if isinstance(err, LocalDataError) else f"{name}: {type(err).__name__}: {err}"
-            if data_dir is None and not isinstance(err, (LocalDataError, KeyError)):  # KeyError: unknown name
-                message += " (offline? pass --data-dir with the task's files)"
-            logger.error("task failed: %s", message)
-            run.errors[name] = message
-            atomic_write_json(out / f"{name}.error.json", {"task": name, "error": message})
-            if done.is_file():  # only this model's results stay in the folder: its earlier one still holds
-                logger.warning("%s: kept this model's earlier result %s", name, done)
+            run.errors[name] = _record_task_error(name, err, data_dir, out)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
         write_run_record(out, meta, previous, run)  # after every task: a stopped suite resumes
     if not run.runtimes:
         write_run_record(out, meta, previous, run)
     return run
+
+
+def _evaluate_task(model, name: str, data_dir: Path | None, batch_size: int, result_path: Path) -> float:
+    """Run mteb task ``name`` (local files from ``data_dir`` if given) on ``model``; write its result JSON
+    to ``result_path`` -> the task's main score."""
+    import mteb
+
+    task = english_task(name)
+    if data_dir is not None:
+        inject_local_data(task, data_dir)
+    result = mteb.evaluate(
+        model,
+        task,
+        cache=None,
+        co2_tracker=False,
+        raise_error=True,
+        encode_kwargs={"batch_size": batch_size},
+        show_progress_bar=False,
+    )
+    task_result = result.task_results[0]
+    atomic_write(result_path, task_result.to_disk)
+    return float(task_result.get_score())
+
+
+def _record_task_error(name: str, err: Exception, data_dir: Path | None, out: Path) -> str:
+    """Log a failed task and write ``<name>.error.json`` -> the message (an earlier result of the same model
+    is kept)."""
+    message = str(err) if isinstance(err, LocalDataError) else f"{name}: {type(err).__name__}: {err}"
+    if data_dir is None and not isinstance(err, (LocalDataError, KeyError)):  # KeyError: unknown name
+        message += " (offline? pass --data-dir with the task's files)"
+    logger.error("task failed: %s", message)
+    atomic_write_json(out / f"{name}.error.json", {"task": name, "error": message})
+    if (out / f"{name}.json").is_file():
+        logger.warning("%s: kept this model's earlier result %s", name, out / f"{name}.json")
+    return message
 
 
 def same_run(previous: dict, meta: dict) -> bool:
