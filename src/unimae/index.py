@@ -140,39 +140,14 @@ class VectorIndex:
             "complete": False,
         }
         manifest_path = directory / "manifest.json"
-        if manifest_path.is_file() and not overwrite:
-            old = json.loads(manifest_path.read_text())
-            for key in ("embedding", "precision", "merged"):  # manifests written before these were recorded
-                old.setdefault(key, manifest[key])
-            same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "precision")
-            same += ("merged", "passages")  # a resumed build never mixes shards embedded two ways
-            changed = [k for k in same if old.get(k) != manifest.get(k)]
-            if changed or old.get("config", {}).get("shard_size") != config.shard_size:
-                raise VectorIndexError(
-                    f"{directory} holds an index built with other {', '.join(changed) or 'shard_size'}; "
-                    "pass --overwrite to rebuild it or choose another --output-dir"
-                )
-        elif overwrite:
-            for stale in shards.glob("*.npy"):
-                stale.unlink()
+        _check_resumable(manifest_path, manifest, config, overwrite)
         atomic_write_json(manifest_path, manifest)
         atomic_write_text(
             directory / "passages.jsonl",
             "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
         )
         starts = range(0, len(passages), config.shard_size)
-        todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), encoder.embedding_dim)]
-        if len(todo) < len(starts):
-            logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
-        for start in tqdm(todo, desc="index shards", unit="shard", disable=not todo):
-            texts = [text for _, text in passages[start : start + config.shard_size]]
-            vectors = encoder.encode(texts, batch_size=config.batch_size, normalize=True, show_progress=False)
-
-            def write(tmp: Path, vectors=vectors):
-                with open(tmp, "wb") as handle:
-                    np.save(handle, vectors.astype(np.float32))
-
-            atomic_write(_shard_path(shards, start), write)
+        _embed_shards(encoder, passages, shards, config)
         vectors = np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
         index = _build_faiss(vectors, config)
         faiss = _faiss()
@@ -239,6 +214,44 @@ class VectorIndex:
 
 def _shard_path(shards: Path, start: int) -> Path:
     return shards / f"{start:08d}.npy"
+
+
+def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, overwrite: bool) -> None:
+    """Refuse to resume into a folder whose index was built another way (unless ``overwrite``, which drops its
+    embedded shards instead)."""
+    shards = manifest_path.parent / "shards"
+    if manifest_path.is_file() and not overwrite:
+        old = json.loads(manifest_path.read_text())
+        for key in ("embedding", "precision", "merged"):  # manifests written before these were recorded
+            old.setdefault(key, manifest[key])
+        same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "precision")
+        same += ("merged", "passages")  # a resumed build never mixes shards embedded two ways
+        changed = [k for k in same if old.get(k) != manifest.get(k)]
+        if changed or old.get("config", {}).get("shard_size") != config.shard_size:
+            raise VectorIndexError(
+                f"{manifest_path.parent} holds an index built with other {', '.join(changed) or 'shard_size'}; "
+                "pass --overwrite to rebuild it or choose another --output-dir"
+            )
+    elif overwrite:
+        for stale in shards.glob("*.npy"):
+            stale.unlink()
+
+
+def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config: IndexConfig) -> None:
+    """Embed every shard of ``passages`` not already in ``shards`` (normalized fp32 ``.npy`` per shard)."""
+    starts = range(0, len(passages), config.shard_size)
+    todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), encoder.embedding_dim)]
+    if len(todo) < len(starts):
+        logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
+    for start in tqdm(todo, desc="index shards", unit="shard", disable=not todo):
+        texts = [text for _, text in passages[start : start + config.shard_size]]
+        vectors = encoder.encode(texts, batch_size=config.batch_size, normalize=True, show_progress=False)
+
+        def write(tmp: Path, vectors=vectors):
+            with open(tmp, "wb") as handle:
+                np.save(handle, vectors.astype(np.float32))
+
+        atomic_write(_shard_path(shards, start), write)
 
 
 def _shard_ok(shards: Path, start: int, size: int, total: int, dim: int) -> bool:
