@@ -501,6 +501,11 @@ class Decoder:
         self.lean = LlamaStep(model, self.packed) if LlamaStep.supports_model(model) else None
         self.kv_dtype = torch.float32 if self.lean is not None else None  # the lean step attends in fp32
 
+    def start(self, input_ids: list[int], params: GenerationParams, eos_ids: set[int], past_key_values=None):
+        """:meth:`DecodeState.start` for this decoder's model, its cache stored as the steps read it
+        (:attr:`kv_dtype`)."""
+        return DecodeState.start(self.model, input_ids, params, eos_ids, past_key_values, self.kv_dtype)
+
     def prefill(self, state: DecodeState) -> int:
         """Feed the state's prompt tail with the model's own forward -> the first new token."""
         with _step_context(self.precision, self.device, False):
@@ -541,7 +546,7 @@ def decode_tokens(
     a single-token step.
     """
     decoder = Decoder(model, precision)
-    state = DecodeState.start(model, input_ids, params, eos_ids, past_key_values, decoder.kv_dtype)
+    state = decoder.start(input_ids, params, eos_ids, past_key_values)
     while not state.finished:
         if cancel is not None and cancel.is_set():
             return

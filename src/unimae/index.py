@@ -140,15 +140,13 @@ class VectorIndex:
             "complete": False,
         }
         manifest_path = directory / "manifest.json"
-        _check_resumable(manifest_path, manifest, config, overwrite)
+        _check_resumable(manifest_path, manifest, config, overwrite, shards)
         atomic_write_json(manifest_path, manifest)
         atomic_write_text(
             directory / "passages.jsonl",
             "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
         )
-        starts = range(0, len(passages), config.shard_size)
-        _embed_shards(encoder, passages, shards, config)
-        vectors = np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
+        vectors = _embed_shards(encoder, passages, shards, config)  # (N, D)
         index = _build_faiss(vectors, config)
         faiss = _faiss()
         atomic_write(directory / "index.faiss", lambda tmp: faiss.write_index(index, str(tmp)))
@@ -216,10 +214,9 @@ def _shard_path(shards: Path, start: int) -> Path:
     return shards / f"{start:08d}.npy"
 
 
-def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, overwrite: bool) -> None:
+def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, overwrite: bool, shards: Path) -> None:
     """Refuse to resume into a folder whose index was built another way (unless ``overwrite``, which drops its
-    embedded shards instead)."""
-    shards = manifest_path.parent / "shards"
+    embedded ``shards`` instead)."""
     if manifest_path.is_file() and not overwrite:
         old = json.loads(manifest_path.read_text())
         for key in ("embedding", "precision", "merged"):  # manifests written before these were recorded
@@ -237,8 +234,9 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
             stale.unlink()
 
 
-def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config: IndexConfig) -> None:
-    """Embed every shard of ``passages`` not already in ``shards`` (normalized fp32 ``.npy`` per shard)."""
+def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config: IndexConfig) -> np.ndarray:
+    """Embed every shard of ``passages`` not already in ``shards`` (normalized fp32 ``.npy`` per shard) -> all
+    the passages' vectors (N, D), read back from the shards."""
     starts = range(0, len(passages), config.shard_size)
     todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), encoder.embedding_dim)]
     if len(todo) < len(starts):
@@ -252,6 +250,7 @@ def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config
                 np.save(handle, vectors.astype(np.float32))
 
         atomic_write(_shard_path(shards, start), write)
+    return np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
 
 
 def _shard_ok(shards: Path, start: int, size: int, total: int, dim: int) -> bool:

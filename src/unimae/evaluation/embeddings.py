@@ -191,7 +191,7 @@ def evaluate_model_on_tasks(
         try:
             run.scores[name] = _evaluate_task(model, name, data_dir, batch_size, done)
         except (KeyError, ValueError, LocalDataError, FileNotFoundError, OSError, ConnectionError) as err:
-            run.errors[name] = _record_task_error(name, err, data_dir, out)
+            run.errors[name] = _record_task_error(name, err, data_dir, done)
         run.runtimes[name] = round(time.perf_counter() - start, 2)
         write_run_record(out, meta, previous, run)  # after every task: a stopped suite resumes
     if not run.runtimes:
@@ -221,16 +221,16 @@ def _evaluate_task(model, name: str, data_dir: Path | None, batch_size: int, res
     return float(task_result.get_score())
 
 
-def _record_task_error(name: str, err: Exception, data_dir: Path | None, out: Path) -> str:
-    """Log a failed task and write ``<name>.error.json`` -> the message (an earlier result of the same model
-    is kept)."""
+def _record_task_error(name: str, err: Exception, data_dir: Path | None, result_path: Path) -> str:
+    """Log a failed task and write ``<name>.error.json`` beside ``result_path`` -> the message (an earlier
+    result of the same model, at ``result_path``, is kept)."""
     message = str(err) if isinstance(err, LocalDataError) else f"{name}: {type(err).__name__}: {err}"
     if data_dir is None and not isinstance(err, (LocalDataError, KeyError)):  # KeyError: unknown name
         message += " (offline? pass --data-dir with the task's files)"
     logger.error("task failed: %s", message)
-    atomic_write_json(out / f"{name}.error.json", {"task": name, "error": message})
-    if (out / f"{name}.json").is_file():
-        logger.warning("%s: kept this model's earlier result %s", name, out / f"{name}.json")
+    atomic_write_json(result_path.with_name(f"{name}.error.json"), {"task": name, "error": message})
+    if result_path.is_file():
+        logger.warning("%s: kept this model's earlier result %s", name, result_path)
     return message
 
 

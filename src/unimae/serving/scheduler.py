@@ -220,8 +220,7 @@ class GenerationScheduler:
 
     def _start(self, decoder: Decoder, request: _Request) -> int:
         """On the model's thread: ``request``'s cache (its prefix copied in) and prefill -> its first token."""
-        args = (request.input_ids, request.params, request.eos_ids, request.prefix)
-        request.state = DecodeState.start(self.model, *args, decoder.kv_dtype)
+        request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
         return decoder.prefill(request.state)
 
     def _step(self, decoder: Decoder) -> None:
