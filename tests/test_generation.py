@@ -165,6 +165,21 @@ def test_only_the_lean_decoder_stores_the_cache_in_fp32(tiny_model_dirs):
         assert stored == {kv_dtype or torch.bfloat16}, arch
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rope_equals_transformers_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from unimae.decoding import _rope, _signed_sin
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 6, 1, 16, dtype=dtype), torch.randn(2, 2, 1, 16, dtype=dtype)  # (B, H or H_kv, 1, hd)
+    angles = torch.randn(2, 1, 8)
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)  # unsqueezes cos/sin at dim 1
+    rotated = _rope(torch.cat((q, k), dim=1), cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1))
+    assert torch.equal(rotated[:, :6], q_ref) and torch.equal(rotated[:, 6:], k_ref)
+
+
 def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
     from unimae.decoding import _one_query_attention
 

@@ -255,37 +255,50 @@ def _step_context(precision: str, device: torch.device, packed: bool):
 LEAN_MODEL_TYPES = ("llama", "qwen2")  # decoder layers that compute exactly Llama's one-token step (below)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x cos + rotate_half(x) sin`` in two fewer operations, bit for bit.
+
+    ``rotate_half(x) sin = cat(-x2, x1) sin = roll(x, hd/2) cat(-sin1, sin2)`` (IEEE products are
+    sign-symmetric), so with ``signed_sin`` = :func:`_signed_sin` made once per step, RoPE is one roll and
+    three elementwise operations instead of two slices, a negation, a concatenation and three.
+    """
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` (..., hd) with its first half negated, for :func:`_rope`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _projection(modules: list, packed: bool):
-    """A function x -> (module(x) for each of ``modules``): one packed product over their stacked weights when
-    they are all plain ``nn.Linear`` on a packed step (q/k/v, gate/up: fewer oneDNN calls, same numbers, as
-    each output row is its own dot product), else each module (LoRA wrappers included) on its own."""
+    """A function x (..., in) -> the outputs of ``modules`` side by side (..., sum out): one packed product over
+    their stacked weights when they are all plain ``nn.Linear`` on a packed step (q/k/v, gate/up: fewer oneDNN
+    calls, same numbers, as each output row is its own dot product), else each module (LoRA wrappers
+    included) on its own, concatenated where there are several."""
     plain = all(type(m) is torch.nn.Linear for m in modules)
     if packed and plain and len({m.bias is None for m in modules}) == 1:
         weight, bias = _packed_group(tuple(modules))
-        sizes = [m.out_features for m in modules]
-        return lambda x: _packed_product(weight, bias, x).split(sizes, dim=-1)
-    if plain:
-        return lambda x: tuple(torch.nn.functional.linear(x, m.weight, m.bias) for m in modules)
-    return lambda x: tuple(m(x) for m in modules)
+        return lambda x: _packed_product(weight, bias, x)
+    apply = (lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)) if plain else (lambda m, x: m(x))
+    if len(modules) == 1:
+        return lambda x: apply(modules[0], x)
+    return lambda x: torch.cat([apply(m, x) for m in modules], dim=-1)
 
 
 class _LayerStep(NamedTuple):
     """What :class:`LlamaStep` calls in one decoder layer (projections as :func:`_projection` returns them)."""
 
     norm1: Callable  # input RMSNorm
-    qkv: Callable  # x -> (q, k, v)
-    out: Callable  # attention output -> (o,)
+    qkv: Callable  # x -> [q | k | v] side by side
+    out: Callable  # attention output -> o
+    heads: int  # query heads, H
     head_dim: int
     scale: float
     gqa: dict  # SDPA's enable_gqa where key/value heads are shared
     norm2: Callable  # post-attention RMSNorm
-    gate_up: Callable  # x -> (gate, up)
-    down: Callable  # x -> (down,)
+    gate_up: Callable  # x -> [gate | up]
+    down: Callable  # x -> down
     act: Callable
 
 
@@ -299,8 +312,9 @@ class LlamaStep:
     fp32 (tests check token identity; a bf16 step attends in fp32, see :func:`_one_query_attention`): the
     embedding, rotary, norm and activation modules and any LoRA wrapper are called as they are; plain
     ``nn.Linear`` weights are applied directly (stacked q/k/v and gate/up on a packed step); RoPE is
-    ``q cos + rotate_half(q) sin`` and attention is SDPA over the cached keys with grouped-query heads
-    (``enable_gqa``), as transformers' ``sdpa`` attention runs one unmasked query.
+    ``q cos + rotate_half(q) sin`` (as :func:`_rope` computes it, on queries and keys at once) and attention
+    is SDPA over the cached keys with grouped-query heads (``enable_gqa``), as transformers' ``sdpa``
+    attention runs one unmasked query.
 
     B > 1 (in-flight batching, :mod:`unimae.serving.scheduler`): each row is its own sequence with its own
     cache of its own length, no padding and no merged cache. Every projection (q/k/v, o, gate/up, down,
@@ -322,6 +336,7 @@ class LlamaStep:
                     norm1=layer.input_layernorm,
                     qkv=_projection([attn.q_proj, attn.k_proj, attn.v_proj], packed),
                     out=_projection([attn.o_proj], packed),
+                    heads=attn.q_proj.out_features // attn.head_dim,
                     head_dim=attn.head_dim,
                     scale=attn.scaling,
                     gqa={"enable_gqa": True} if attn.num_key_value_groups > 1 else {},
@@ -357,17 +372,17 @@ class LlamaStep:
         position = torch.tensor([[layers[0].length] for layers in rows], device=tokens.device)  # (B, 1)
         h = self.embed(tokens)  # (B, 1, D)
         cos, sin = self.rotary(h, position)  # (B, 1, hd) each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, hd): broadcast over heads
+        cos, sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)  # (B, 1, 1, hd): broadcast over heads
         for depth, layer in enumerate(self.layers):
-            qkv = layer.qkv(layer.norm1(h))
-            q, k, v = (t.view(batch, 1, -1, layer.head_dim).transpose(1, 2) for t in qkv)  # (B, H or H_kv, 1, hd)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            qkv = layer.qkv(layer.norm1(h)).view(batch, 1, -1, layer.head_dim).transpose(1, 2)  # (B, H+2H_kv, 1, hd)
+            kv_heads = (qkv.shape[1] - layer.heads) // 2
+            qk = _rope(qkv[:, : layer.heads + kv_heads], cos, sin)  # queries and keys rotated at once
+            q, k, v = qk[:, : layer.heads], qk[:, layer.heads :], qkv[:, layer.heads + kv_heads :]
             a = _attend(q, k, v, [layers[depth] for layers in rows], layer.scale, layer.gqa)  # (B, H, 1, hd)
-            h = h + layer.out(a.transpose(1, 2).reshape(batch, 1, -1))[0]  # (B, 1, D)
-            gate, up = layer.gate_up(layer.norm2(h))
-            h = h + layer.down(layer.act(gate) * up)[0]
-        return self.head(self.norm(h))[0][:, -1]  # (B, V)
+            h = h + layer.out(a.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
+            gate, up = layer.gate_up(layer.norm2(h)).chunk(2, dim=-1)
+            h = h + layer.down(layer.act(gate) * up)
+        return self.head(self.norm(h))[:, -1]  # (B, V)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list, scale: float, gqa: dict) -> torch.Tensor:
