@@ -33,9 +33,11 @@ For a batch of examples with real lengths n_i, N = sum_i n_i tokens, width D, vo
   forward). The first layer's input gradient is counted although the embedding needs none (<4%).
 - Output-head cross-entropies (MAR over the sum_i (n_i - 1) next-token rows, MRC over the N token
   rows): forward ``2 * V * D`` per row each; backward = gradient with respect to the hidden state
-  only (the head is frozen in MAR and detached in MRC): another ``2 * V * D`` per row. The chunked
-  CE recomputes each chunk's logits in backward (activation checkpointing): ``2 * V * D`` more per
-  row, counted separately as ``ce_recompute`` and excluded from the model-FLOP total.
+  only (the head is frozen in MAR and detached in MRC): another ``2 * V * D`` per row. Where a loss's
+  fp32 log-probabilities of one micro-batch exceed ``cross_entropy.RECOMPUTE_ABOVE_MB`` (Gemma's 262k
+  vocabulary; not SmolLM2's 49k at the default lengths), the chunked CE recomputes each chunk's logits in
+  backward (activation checkpointing): ``2 * V * D`` more per row, counted separately as ``ce_recompute``
+  and excluded from the model-FLOP total.
 - MRC tiny decoder (one layer, every weight trained; per example n queries, n + 1 keys,
   MLP width I): forward ``2 * D^2 * (2n + 2(n + 1)) + 6 * D * I * n + 4 * D * n * (n + 1)``;
   backward 2x forward.
@@ -106,8 +108,11 @@ class Flops:
 def batch_flops(shape: Shape, lengths: list[float], flops: Flops) -> None:
     """Add the FLOPs of a batch of examples of real lengths ``lengths`` (formula in the module docstring).
 
-    Every term is a sum over examples, so this is one micro-batch or a whole step alike.
+    Every term but ``ce_recompute`` is a sum over examples; that one depends on a loss call's rows, so pass
+    one micro-batch at a time.
     """
+    from unimae.losses.cross_entropy import RECOMPUTE_ABOVE_MB
+
     n_tok = sum(lengths)
     causal_pairs = sum(n * (n + 1) / 2 for n in lengths)
     attn = shape.layers * 4 * shape.heads * shape.head_dim * causal_pairs
@@ -118,19 +123,21 @@ def batch_flops(shape: Shape, lengths: list[float], flops: Flops) -> None:
     flops.add("attention_fwd", attn)
     flops.add("attention_bwd", 2 * attn)
     head = 2 * shape.vocab * shape.hidden
-    ce_rows = (n_tok - len(lengths)) + n_tok  # MAR next-token rows + MRC token rows
-    flops.add("ce_heads_fwd", head * ce_rows)
-    flops.add("ce_heads_bwd_input_grad", head * ce_rows)
-    flops.add("ce_recompute", head * ce_rows)
+    for rows in (n_tok - len(lengths), n_tok):  # MAR next-token rows, MRC token rows
+        flops.add("ce_heads_fwd", head * rows)
+        flops.add("ce_heads_bwd_input_grad", head * rows)
+        if rows * shape.vocab * 4 > RECOMPUTE_ABOVE_MB * 2**20:  # as chunked_cross_entropy decides
+            flops.add("ce_recompute", head * rows)
     d, i = shape.hidden, shape.tiny_intermediate
     tiny = sum(2 * d * d * (2 * n + 2 * (n + 1)) + 6 * d * i * n + 4 * d * n * (n + 1) for n in lengths)
     flops.add("tiny_decoder_fwd", tiny)
     flops.add("tiny_decoder_bwd", 2 * tiny)
 
 
-def step_flops(shape: Shape, tokens: int, batch_size: int, flops: Flops) -> None:
-    """Add one logged step's FLOPs: ``batch_size`` examples at the average length (docstring)."""
-    batch_flops(shape, [tokens / batch_size] * batch_size, flops)
+def step_flops(shape: Shape, tokens: int, batch_size: int, micro_batch_size: int, flops: Flops) -> None:
+    """Add one logged step's FLOPs: ``batch_size`` examples at the average length (docstring), in micro-batches."""
+    for first in range(0, batch_size, micro_batch_size):
+        batch_flops(shape, [tokens / batch_size] * min(micro_batch_size, batch_size - first), flops)
 
 
 def linear_params(model) -> int:
@@ -222,7 +229,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     timed = [r for r in records if r["step"] > args.warmup]
     flops = Flops()
     for record in timed:
-        step_flops(shape, record["tokens"], config.batch_size, flops)
+        step_flops(shape, record["tokens"], config.batch_size, config.micro_batch_size, flops)
     seconds = [r["seconds"] for r in timed]
     tokens = [r["tokens"] for r in timed]
     steps, total_s = len(timed), sum(seconds)

@@ -7,12 +7,13 @@ from unimae.losses import MRCLoss, TinyDecoder, chunked_cross_entropy, per_examp
 from unimae.masking import UniMAECollator
 
 
-def test_chunked_ce_equals_full_ce_values_and_grads():
+@pytest.mark.parametrize("recompute_above_mb", [0.0, 1024.0])  # recompute every chunk / keep them all
+def test_chunked_ce_equals_full_ce_values_and_grads(recompute_above_mb):
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
-    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_size=8)
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_size=8, recompute_above_mb=recompute_above_mb)
     full = torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction="none")
     assert chunked.shape == (37,)
     torch.testing.assert_close(chunked, full)
@@ -20,6 +21,21 @@ def test_chunked_ce_equals_full_ce_values_and_grads():
     g2 = torch.autograd.grad(full.sum(), (hidden, weight))
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_chunked_ce_recomputes_logits_only_above_its_memory_budget(monkeypatch):
+    import unimae.losses.cross_entropy as ce
+
+    calls = []
+    original = ce._chunk_loss
+    monkeypatch.setattr(ce, "_chunk_loss", lambda *a: calls.append(1) or original(*a))
+    hidden, weight = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16)
+    targets = torch.randint(0, 50, (37,))
+    budget_mb = 37 * 50 * 4 / 2**20  # exactly this call's fp32 log-probabilities: kept, not recomputed
+    for budget, forward_and_backward in ((budget_mb, 5), (budget_mb * 0.99, 10)):  # 5 chunks of 8 rows
+        calls.clear()
+        ce.chunked_cross_entropy(hidden, weight, targets, chunk_size=8, recompute_above_mb=budget).sum().backward()
+        assert len(calls) == forward_and_backward
 
 
 def test_per_example_mean_weights_examples_equally():
