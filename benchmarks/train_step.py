@@ -34,8 +34,8 @@ For a batch of examples with real lengths n_i, N = sum_i n_i tokens, width D, vo
 - Output-head cross-entropies (MAR over the sum_i (n_i - 1) next-token rows, MRC over the N token
   rows): forward ``2 * V * D`` per row each; backward = gradient with respect to the hidden state
   only (the head is frozen in MAR and detached in MRC): another ``2 * V * D`` per row. Where a loss's
-  fp32 log-probabilities of one micro-batch exceed ``cross_entropy.RECOMPUTE_ABOVE_MB`` (Gemma's 262k
-  vocabulary; not SmolLM2's 49k at the default lengths), the chunked CE recomputes each chunk's logits in
+  fp32 log-probabilities of one micro-batch exceed ``cross_entropy.RECOMPUTE_ABOVE_MB`` (more than
+  1,024 rows on Gemma's 262k vocabulary; never at the default lengths), the chunked CE recomputes each chunk's logits in
   backward (activation checkpointing): ``2 * V * D`` more per row, counted separately as ``ce_recompute``
   and excluded from the model-FLOP total.
 - MRC tiny decoder (one layer, every weight trained; per example n queries, n + 1 keys,
