@@ -286,6 +286,26 @@ def default_label(model: str, adapter: str | None, pooling: str) -> str:
     return f"{base}-{Path(adapter).parent.name if adapter else 'base'}-{pooling}"
 
 
+def _open_cache(output_dir: Path, encoder, model: str, weights: str | None, revision: str | None):
+    """The embedding cache of ``output_dir``, under a namespace of everything that changes ``encoder``'s vectors:
+    model (and a local folder's weights), adapter weights, pooling and its options, max length, precision,
+    a merged adapter, a non-causal attention rule."""
+    from unimae.evaluation.embedding_cache import EmbeddingCache, namespace_key
+
+    namespace = namespace_key(
+        model=model,
+        **({"model_revision": weights} if weights else {}),
+        adapter=revision,
+        pooling=encoder.pooling,
+        max_length=encoder.max_length,
+        precision=encoder.precision,
+        options=encoder.pooling_options,
+        **({"merged": True} if encoder.adapter_merged else {}),
+        **({"attention": encoder.attention} if encoder.attention != "causal" else {}),
+    )
+    return EmbeddingCache(output_dir / "embedding_cache.sqlite", namespace)
+
+
 def evaluate_embeddings(
     model: str,
     tasks: list[str],
@@ -311,7 +331,6 @@ def evaluate_embeddings(
     weights, pooling, max length, precision and text; ``encoder`` reuses an already loaded one.
     """
     from unimae.encoder import Encoder
-    from unimae.evaluation.embedding_cache import EmbeddingCache, namespace_key
     from unimae.evaluation.mteb_model import MTEBEncoder
 
     encoder = encoder or Encoder.from_pretrained(
@@ -326,20 +345,7 @@ def evaluate_embeddings(
     revision = adapter_revision(adapter)
     weights = model_revision(model)  # a local model folder: retrained weights are another model
     label = label or default_label(model, adapter, pooling)
-    cache = None
-    if use_cache:
-        namespace = namespace_key(
-            model=model,
-            **({"model_revision": weights} if weights else {}),
-            adapter=revision,
-            pooling=pooling,
-            max_length=encoder.max_length,
-            precision=encoder.precision,
-            options=encoder.pooling_options,
-            **({"merged": True} if encoder.adapter_merged else {}),
-            **({"attention": encoder.attention} if encoder.attention != "causal" else {}),
-        )
-        cache = EmbeddingCache(Path(output_dir) / "embedding_cache.sqlite", namespace)
+    cache = _open_cache(Path(output_dir), encoder, model, weights, revision) if use_cache else None
     wrapped = MTEBEncoder(encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size)
     meta = {
         "model": model,
