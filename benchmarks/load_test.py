@@ -323,6 +323,7 @@ def rag_worker(mode: str, args) -> dict:
                 spec = EmbeddingSpec(attention="bidirectional", pooling="mean")  # what MiniLM does (recorded only)
                 max_length = 256
                 embedding_dim = minilm.get_embedding_dimension()
+                precision, adapter_merged = "fp32", False  # recorded in the index manifest
 
                 @staticmethod
                 def encode(texts, batch_size=32, normalize=True, show_progress=False):
@@ -335,7 +336,7 @@ def rag_worker(mode: str, args) -> dict:
             start = time.perf_counter()
             if mode == "one":
                 answer = rag.answer(q, params=params)
-                hits, seconds = answer.hits, time.perf_counter() - start
+                hits, seconds, new_tokens = answer.hits, time.perf_counter() - start, answer.completion_tokens
                 plain = rag.answer(q, params=params, reuse_kv=False)  # the same question without the cache
                 prefill.append(
                     {
@@ -349,9 +350,9 @@ def rag_worker(mode: str, args) -> dict:
             else:  # the same prompt, without a reusable cache: the retriever is another model
                 hits = index.search(np.asarray(MiniLMEncoder.encode([q])), 3)[0]
                 ids = llm.prompt_ids(q) + [llm.tokenizer.eos_token_id] + prompt_tail(llm.tokenizer, q, hits)
-                generate_text(llm.model, llm.tokenizer, ids, params, precision=llm.precision)
-                seconds = time.perf_counter() - start
-            rows.append({"seconds": seconds, "hit": hits[0].id == passages[target][0]})
+                reply = generate_text(llm.model, llm.tokenizer, ids, params, precision=llm.precision)
+                seconds, new_tokens = time.perf_counter() - start, reply.completion_tokens
+            rows.append({"seconds": seconds, "hit": hits[0].id == passages[target][0], "new_tokens": new_tokens})
     seconds = [r["seconds"] for r in rows]
     result = {
         "mode": mode,
@@ -362,6 +363,7 @@ def rag_worker(mode: str, args) -> dict:
         "p50_s": round(percentile(seconds, 50), 3),
         "p99_s": round(percentile(seconds, 99), 3),
         "retrieval_acc_at_1": round(sum(r["hit"] for r in rows) / len(rows), 3),
+        "mean_new_tokens": round(statistics.mean(r["new_tokens"] for r in rows), 1),  # answers may stop early
         "peak_rss_gb": round(_max_rss_gb(), 2),
     }
     if prefill:  # time to first token = retrieval done + prefill + first decode step, with and without reuse

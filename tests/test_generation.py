@@ -165,6 +165,27 @@ def test_only_the_lean_decoder_stores_the_cache_in_fp32(tiny_model_dirs):
         assert stored == {kv_dtype or torch.bfloat16}, arch
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_frozen_head_gets_a_contiguous_row_in_the_prefill(tiny_model_dirs, arch):
+    """hidden[:, -1:] is a strided view; with a weight that needs no grad, matmul would copy the whole head."""
+    from torch.profiler import profile
+
+    model, _ = _load(tiny_model_dirs[arch], lora=False)
+    model.requires_grad_(False)  # as a merged adapter loads
+    decoder = Decoder(model)
+    seen = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+    state = decoder.start(list(range(1, 12)), GenerationParams(max_new_tokens=1), set())
+    with profile(record_shapes=True) as prof:
+        decoder.prefill(state)
+    assert seen == [True]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    head = [e.name for e in prof.events() if e.name in ("aten::mm", "aten::bmm") and vocab in sum(e.input_shapes, [])]
+    assert head == ["aten::mm"]  # one matrix product, not a batched one over a copy of the weight
+    Decoder(model)
+    assert len(model.get_output_embeddings()._forward_pre_hooks) == 2  # ours once (idempotent) + the test's
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_rope_equals_transformers_bit_for_bit(dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
