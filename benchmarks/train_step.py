@@ -111,7 +111,7 @@ def batch_flops(shape: Shape, lengths: list[float], flops: Flops) -> None:
     Every term but ``ce_recompute`` is a sum over examples; that one depends on a loss call's rows, so pass
     one micro-batch at a time.
     """
-    from unimae.losses.cross_entropy import RECOMPUTE_ABOVE_MB
+    from unimae.losses.cross_entropy import recomputes_logits
 
     n_tok = sum(lengths)
     causal_pairs = sum(n * (n + 1) / 2 for n in lengths)
@@ -126,7 +126,7 @@ def batch_flops(shape: Shape, lengths: list[float], flops: Flops) -> None:
     for rows in (n_tok - len(lengths), n_tok):  # MAR next-token rows, MRC token rows
         flops.add("ce_heads_fwd", head * rows)
         flops.add("ce_heads_bwd_input_grad", head * rows)
-        if rows * shape.vocab * 4 > RECOMPUTE_ABOVE_MB * 2**20:  # as chunked_cross_entropy decides
+        if recomputes_logits(rows, shape.vocab):  # as chunked_cross_entropy decides
             flops.add("ce_recompute", head * rows)
     d, i = shape.hidden, shape.tiny_intermediate
     tiny = sum(2 * d * d * (2 * n + 2 * (n + 1)) + 6 * d * i * n + 4 * d * n * (n + 1) for n in lengths)

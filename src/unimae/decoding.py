@@ -320,6 +320,7 @@ class _LayerStep(NamedTuple):
     qkv: Callable  # x -> [q | k | v] side by side
     out: Callable  # attention output -> o
     heads: int  # query heads, H
+    kv_heads: int  # key/value heads, H_kv
     head_dim: int
     scale: float
     gqa: dict  # SDPA's enable_gqa where key/value heads are shared
@@ -364,6 +365,7 @@ class LlamaStep:
                     qkv=_projection([attn.q_proj, attn.k_proj, attn.v_proj], packed),
                     out=_projection([attn.o_proj], packed),
                     heads=attn.q_proj.out_features // attn.head_dim,
+                    kv_heads=attn.k_proj.out_features // attn.head_dim,
                     head_dim=attn.head_dim,
                     scale=attn.scaling,
                     gqa={"enable_gqa": True} if attn.num_key_value_groups > 1 else {},
@@ -402,9 +404,8 @@ class LlamaStep:
         cos, sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)  # (B, 1, 1, hd): broadcast over heads
         for depth, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.norm1(h)).view(batch, 1, -1, layer.head_dim).transpose(1, 2)  # (B, H+2H_kv, 1, hd)
-            kv_heads = (qkv.shape[1] - layer.heads) // 2
-            qk = _rope(qkv[:, : layer.heads + kv_heads], cos, sin)  # queries and keys rotated at once
-            q, k, v = qk[:, : layer.heads], qk[:, layer.heads :], qkv[:, layer.heads + kv_heads :]
+            qk = _rope(qkv[:, : layer.heads + layer.kv_heads], cos, sin)  # queries and keys rotated at once
+            q, k, v = qk[:, : layer.heads], qk[:, layer.heads :], qkv[:, layer.heads + layer.kv_heads :]
             a = _attend(q, k, v, [layers[depth] for layers in rows], layer.scale, layer.gqa)  # (B, H, 1, hd)
             h = h + layer.out(a.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
             gate, up = layer.gate_up(layer.norm2(h)).chunk(2, dim=-1)

@@ -5,8 +5,8 @@ Where a call's log-probabilities (N x V in fp32) would take more than ``recomput
 checkpointing), so the peak memory is one chunk of logits, not the whole batch's: at 262k vocabulary and
 2k rows that is the difference between ~2 GB and ~0.5 GB per chunk of 512 rows. Below it the chunks keep
 their log-probabilities for the backward pass instead: the same numbers, one output-head matmul fewer per
-row (SmolLM2's default recipe, 49k vocabulary and at most 1,024 rows per loss: 200 MB kept, training step
-about 6% faster, benchmarks/train_step.py).
+row (SmolLM2's default recipe, 49k vocabulary and at most 1,024 rows per loss: 200 MB kept; training step
+1.12x, benchmarks/train_step.py, docs/results.md).
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE_ABOVE_MB = 1024.0  # keep a call's fp32 log-probabilities for backward up to this size, else recompute
+
+
+def recomputes_logits(rows: int, vocab: int, recompute_above_mb: float = RECOMPUTE_ABOVE_MB) -> bool:
+    """Whether a loss call over ``rows`` x ``vocab`` logits recomputes them in backward (its fp32
+    log-probabilities would take more than ``recompute_above_mb``)."""
+    return rows * vocab * 4 > recompute_above_mb * 2**20
 
 
 def output_projection(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,7 +66,7 @@ def chunked_cross_entropy(
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    recompute = grad and hidden.shape[0] * weight.shape[0] * 4 > recompute_above_mb * 2**20
+    recompute = grad and recomputes_logits(hidden.shape[0], weight.shape[0], recompute_above_mb)
     pieces = []
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
