@@ -194,9 +194,20 @@ def test_evaluate_generation_passes_its_options_and_prints_headline_metrics(monk
     results = {"piqa": {"acc_norm,none": 0.5, "acc,none": 0.25}, "mmlu": {"alias": "mmlu", "acc,none": 0.3}}
     calls = _record(monkeypatch, "unimae.evaluation.generation.evaluate_generation", {"results": results, "seconds": 1})
     argv = ["evaluate", "generation", "--model", "m", "--tasks", "piqa", "mmlu", "--data-dir", "d", "--rerun"]
-    argv += ["--output-dir", str(tmp_path), "--limit", "3", "--batch-size", "2", "--precision", "fp32"]
+    argv += [
+        "--output-dir",
+        str(tmp_path),
+        "--limit",
+        "3",
+        "--batch-size",
+        "2",
+        "--precision",
+        "fp32",
+        "--scorer",
+        "hf",
+    ]
     assert main(argv) == 0
-    options = dict(tasks=["piqa", "mmlu"], limit=3, batch_size=2, precision="fp32", rerun=True)
+    options = dict(tasks=["piqa", "mmlu"], limit=3, batch_size=2, precision="fp32", rerun=True, scorer="hf")
     assert calls == [(("m", None, tmp_path, Path("d")), options)]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["piqa", "acc_norm", "0.5000"]

@@ -6,7 +6,9 @@ architecture (Llama, Gemma3 and its sliding layers, Qwen2 ...), so a rule here n
 - ``causal``: the model's own mask (nothing is built; the 2D padding mask is passed through);
 - ``bidirectional`` (LLM2Vec/MNTP): every real token sees every real token;
 - ``gem`` (GEM): causal, but tokens after the summary tokens cannot see the text before them, and
-  summary tokens cannot see each other (each sees the prefix and itself).
+  summary tokens cannot see each other (each sees the prefix and itself);
+- branches (lm-eval scoring): continuations packed after their shared context, each seeing the
+  context and itself only.
 
 ``allowed[b, i, j]`` is True where query i may attend to key j. Padding rows see only themselves, so no
 row is empty (an empty row makes SDPA return NaN).
@@ -51,6 +53,16 @@ def gem_allowed(attention_mask: torch.Tensor, summary: torch.Tensor) -> torch.Te
     eye = torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None]
     allowed &= ~(summary[:, :, None] & summary[:, None, :] & ~eye)
     return allowed
+
+
+def branches_allowed(segments: torch.Tensor) -> torch.Tensor:
+    """Causal attention over a shared prefix and branches packed after it (several continuations of one
+    context scored in one row). segments (B, T) long: 0 = the prefix, j >= 1 = branch j (contiguous), -1 =
+    padding -> (B, T, T) bool: query i sees key k <= i if k is in the prefix or in i's own branch."""
+    t = segments.shape[1]
+    tril = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()  # (T, T)
+    query, key = segments[:, :, None], segments[:, None, :]  # (B, T, 1), (B, 1, T)
+    return tril[None] & (query >= 0) & ((key == 0) | (key == query))  # (B, T, T)
 
 
 def to_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:

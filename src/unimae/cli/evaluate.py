@@ -10,6 +10,7 @@ from pathlib import Path
 
 from unimae.attention import ATTENTION_RULES
 from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments, add_pooling_argument
+from unimae.evaluation.generation import SCORERS
 
 
 def add_check_parser(sub: argparse._SubParsersAction) -> None:
@@ -104,6 +105,12 @@ def _add_generation_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="Items per forward pass.")
     parser.add_argument(
         "--rerun", action="store_true", help="Redo tasks already evaluated for this model (default: resume)."
+    )
+    parser.add_argument(
+        "--scorer",
+        choices=sorted(SCORERS),
+        default="unimae",
+        help="; ".join(f"{name}: {text}" for name, text in SCORERS.items()) + ". Compare results of one scorer.",
     )
 
 
@@ -218,6 +225,7 @@ def _generation(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         precision=args.precision,
         rerun=args.rerun,
+        scorer=args.scorer,
     )
     for task, metrics in summary["results"].items():
         key = headline_metric(task, metrics)

@@ -6,7 +6,9 @@ in the ``generation/<task>/`` layout of ``--data-dir``. ``unimae_wiki_heldout`` 
 of held-out Wikipedia paragraphs: every 10th article of the default corpus, never trained on.
 Any other name is looked up in lm-eval's own task registry (e.g. the paper's mmlu, sciq, arc_challenge,
 logiqa, nq_open), which downloads its data from the Hugging Face Hub: for online users.
-The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter applied unmerged.
+The model is evaluated live (``HFLM(pretrained=<model object>)``), the adapter applied unmerged. The
+default scorer, :class:`~unimae.evaluation.lm_eval_model.ScoredLM`, is HFLM with the output head applied at
+the scored positions only (the same numbers up to the log-softmax's rounding; ``scorer="hf"`` runs HFLM).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 LM_TASKS_DIR = Path(__file__).parent / "lm_tasks"
 GENERATION_TASKS = ["arc_easy", "piqa", "hellaswag", "winogrande", "lambada_openai", "wiki_heldout"]
+SCORERS = {
+    "unimae": "HFLM with the output head at the scored positions only (fast; fp32 log-softmax)",
+    "hf": "lm-eval's HFLM as it is (head and bf16/fp32 log-softmax at every position)",
+}
 HEADLINE_METRIC = {
     "arc_easy": "acc_norm,none",
     "piqa": "acc_norm,none",
@@ -116,6 +122,7 @@ def evaluate_generation(
     max_length: int = 2048,
     precision: str = "auto",
     rerun: bool = False,
+    scorer: str = "unimae",
 ) -> dict:
     """Run lm-eval on the live model (adapter applied, not merged); write ``generation.json``; return it.
 
@@ -126,7 +133,8 @@ def evaluate_generation(
     hours on a CPU) resumes after its finished tasks; ``rerun`` redoes them. A task stopped part-way
     (HellaSwag alone is 40k requests, 75 min to 2 h for SmolLM2 on 2 cores) resumes after its answered
     requests: lm-eval's own request cache (``use_cache``), one per task and run identity, deleted
-    once the task's record is written.
+    once the task's record is written. ``scorer``: ``"unimae"`` (:class:`ScoredLM`) or ``"hf"`` (lm-eval's HFLM);
+    it is part of the run's identity, so the two never share a record.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -135,6 +143,8 @@ def evaluate_generation(
     from unimae.evaluation.embeddings import versions
     from unimae.precision import default_device, resolve_precision
 
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown scorer {scorer!r}; choose from {sorted(SCORERS)}")
     tasks = tasks or GENERATION_TASKS
     local = [t for t in tasks if t in GENERATION_TASKS]
     output_dir = Path(output_dir)
@@ -149,6 +159,7 @@ def evaluate_generation(
         "limit": limit,
         "max_length": max_length,
         "precision": resolved,
+        "scorer": scorer,
     }
     done = {} if rerun else finished_tasks(output_dir / "tasks", tasks, meta)
     todo = [t for t in tasks if t not in done]
@@ -183,7 +194,6 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     """Evaluate ``tasks`` one by one on the model of ``meta``; write each task's record as it finishes."""
     import lm_eval
     import torch
-    from lm_eval.models.huggingface import HFLM
 
     from unimae.adapter import load_with_adapter
     from unimae.precision import default_device, weight_dtype
@@ -191,7 +201,9 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
     model.to(default_device()).eval()
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=meta["max_length"])
+    lm = _scorer_class(meta["scorer"])(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=meta["max_length"]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     records = {}
     for task in tasks:
@@ -221,6 +233,17 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
         for path in folder.glob(f"{cache.name}*"):
             path.unlink()
     return records
+
+
+def _scorer_class(name: str):
+    """The lm-eval model class of scorer ``name`` (see :data:`SCORERS`)."""
+    if name == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        return HFLM
+    from unimae.evaluation.lm_eval_model import ScoredLM
+
+    return ScoredLM
 
 
 def request_cache(folder: Path, task: str, meta: dict) -> Path:

@@ -40,13 +40,20 @@ def output_projection(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
     return weight, getattr(base, "bias", None)
 
 
-def _chunk_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, softcap: float | None
+def head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
 ) -> torch.Tensor:
+    """``softcap(hidden @ weight.T + bias)``, the output head as the LLM's forward applies it. (n, D) -> (n, V)."""
     logits = F.linear(hidden, weight, bias)  # (n, V)
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    return F.cross_entropy(logits.float(), targets, reduction="none")  # (n,)
+    return logits
+
+
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, softcap: float | None
+) -> torch.Tensor:
+    return F.cross_entropy(head_logits(hidden, weight, bias, softcap).float(), targets, reduction="none")  # (n,)
 
 
 def chunked_cross_entropy(
