@@ -26,6 +26,7 @@ def test_defaults_are_the_cpu_recipe_with_paper_method_numbers():
     assert (config.batch_size, config.max_length) == (16, 128)
     paper = resolve_config(_parse(["--recipe", "paper"]))
     assert (paper.batch_size, paper.max_length, paper.p_mar) == (32, 512, 0.5)
+    assert (config.gem_contrastive_lr_scale, paper.gem_contrastive_lr_scale) == (1.0, 0.1)  # LoRA; GEM's paper
 
 
 def test_paper_recipe_then_file_then_flags(tmp_path):

@@ -172,12 +172,12 @@ def test_new_summary_tokens_load_for_inference(tiny_model_dirs, corpus_file, tmp
 
 def test_two_phase_learning_rate_and_exact_resume(tiny_model_dirs, corpus_file, tmp_path):
     _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
-    method = _method(tokenizer, steps=10, gem_switch_step=4)
+    method = _method(tokenizer, steps=10, gem_switch_step=4, gem_contrastive_lr_scale=0.1)
     factors = [method.lr_lambda(s) for s in range(10)]
     assert factors[:4] == [1.0] * 4, "NTP phase at --lr"
     assert factors[4] == pytest.approx(0.1), "then --lr x 0.1 (paper: 1e-4 -> 1e-5)"
     assert all(a > b > 0 for a, b in zip(factors[4:-1], factors[5:], strict=True)), "cosine decay to 0"
-    assert _method(tokenizer, steps=10, gem_switch_step=4, gem_lr_schedule="constant").lr_lambda(9) == 0.1
+    assert _method(tokenizer, steps=10, gem_switch_step=4, gem_lr_schedule="constant").lr_lambda(9) == 1.0
 
     tiny = tiny_model_dirs["llama"]
     overrides = dict(steps=4, gem_switch_step=2, gem_contrastive_lr_scale=0.1)
