@@ -31,7 +31,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
 from unimae.attention import branches_allowed, to_model_mask
-from unimae.losses.cross_entropy import head_logits, output_projection
+from unimae.losses.cross_entropy import head_logits, logit_softcap, output_projection
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (cache key, context tokens, continuation tokens)
 
@@ -162,12 +162,13 @@ class ScoredLM(HFLM):
     def _token_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(target), target is the argmax) per row, fp32 log-softmax in chunks. (N, D), (N,) -> (N,), (N,)."""
         weight, bias = output_projection(self.model.get_output_embeddings())  # (V, D), (V,) or None
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        softcap = logit_softcap(self.model.config)
         log_probs, greedy = [], []
         with torch.no_grad():
             for start in range(0, hidden.shape[0], self.chunk_size):
                 rows = slice(start, start + self.chunk_size)
                 logits = head_logits(hidden[rows], weight, bias, softcap).float()  # (n, V)
-                log_probs.append(logits.log_softmax(-1).gather(1, targets[rows, None]).squeeze(1))
+                target = logits.gather(1, targets[rows, None]).squeeze(1)  # (n,)
+                log_probs.append(target - logits.logsumexp(-1))  # log-softmax at the target only
                 greedy.append(logits.argmax(-1) == targets[rows])
         return torch.cat(log_probs), torch.cat(greedy)

@@ -24,6 +24,11 @@ def recomputes_logits(rows: int, vocab: int, recompute_above_mb: float = RECOMPU
     return rows * vocab * 4 > recompute_above_mb * 2**20
 
 
+def logit_softcap(config) -> float | None:
+    """The cap ``c`` of ``c * tanh(logits / c)`` the model's forward applies to its logits (Gemma 2), or None."""
+    return getattr(config, "final_logit_softcapping", None)
+
+
 def output_projection(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight (V, D), bias or None) of the LLM's output head, as its forward uses them.
 

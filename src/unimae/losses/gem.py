@@ -21,6 +21,7 @@ from torch import nn
 
 from unimae.attention import model_attention_mask
 from unimae.losses.contrastive import info_nce
+from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.mar import MARLoss
 from unimae.losses.objective import Objective
 from unimae.pooling import pooled_forward
@@ -50,7 +51,7 @@ class GEMObjective(Objective):
         self.max_log_scale = math.log(max_logit_scale)
         initial = torch.tensor(math.log(1.0 / temperature), dtype=torch.float32)
         self.log_scale = nn.Parameter(initial, requires_grad=learn_logit_scale)
-        self.ntp = MARLoss(chunk_size, getattr(llm.config, "final_logit_softcapping", None))
+        self.ntp = MARLoss(chunk_size, logit_softcap(llm.config))
         self.step = 0
 
     def set_step(self, step: int) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from unimae.batch import Batch
+from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.mar import MARLoss
 from unimae.losses.mrc import MRCLoss, TinyDecoder
 from unimae.losses.objective import Objective
@@ -52,7 +53,7 @@ class UniMAEObjective(Objective):
         self.mrc_input = mrc_input
         config = llm.config
         self.alpha = alpha
-        softcap = getattr(config, "final_logit_softcapping", None)
+        softcap = logit_softcap(config)
         self.mar = MARLoss(chunk_size, softcap)
         decoder = TinyDecoder(
             hidden_size=config.hidden_size,
