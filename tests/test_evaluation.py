@@ -268,9 +268,9 @@ def test_summary_averages_come_from_the_task_jsons(tiny_model_dirs, tiny_encoder
     assert float(row[header.index("STS")]) == pytest.approx(sts, abs=0.006)
     assert f"{scores['TwitterURLCorpus']:.2f}" in markdown
 
-    # A row kept in another results folder joins a table as LABEL=FOLDER, read where it is, not re-scored.
-    other = tmp_path / "other"
-    other.mkdir()
+    # A row kept in another results folder joins a table as LABEL=FOLDER, read where it is, not re-scored;
+    # the table's own folder is created if missing.
+    other = tmp_path / "other" / "new"
     write_summary(other, ["copy=" + str(tmp_path / "m")], tasks, name="borrowed")
     borrowed = json.loads((other / "borrowed.json").read_text())
     assert borrowed == {"copy": json.loads((tmp_path / "summary.json").read_text())["m"]}

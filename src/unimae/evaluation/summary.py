@@ -9,9 +9,12 @@ tasks that did run), so an incomplete row never passes for a complete one.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from unimae.files import atomic_write_text
 
 CATEGORIES = [
     ("Retrieval", "Retr."),
@@ -135,19 +138,18 @@ def _markdown(header: list[str], cells: list[list[str]]) -> str:
 def write_summary(
     results_dir: Path, labels: list[str], tasks: list[str], name: str = "summary"
 ) -> tuple[Path, Path, str]:
-    """Write ``<name>.md``, ``.csv`` and ``.json`` in ``results_dir``; return the first two and the Markdown."""
+    """Write ``<name>.md``, ``.csv`` and ``.json`` in ``results_dir`` (created if every row is LABEL=FOLDER
+    elsewhere); return the first two and the Markdown."""
     rows = read_rows(results_dir, labels, tasks)
     header, cells = summary_table(rows)
     markdown = _markdown(header, cells)
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
     md_path, csv_path = results_dir / f"{name}.md", results_dir / f"{name}.csv"
-    md_path.write_text(markdown + "\n")
-    with open(csv_path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        writer.writerows(cells)
-    (results_dir / f"{name}.json").write_text(
-        json.dumps(
-            {r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing} for r in rows}, indent=2
-        )
-    )
+    atomic_write_text(md_path, markdown + "\n")
+    table = io.StringIO(newline="")
+    csv.writer(table).writerows([header, *cells])
+    atomic_write_text(csv_path, table.getvalue())
+    payload = {r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing} for r in rows}
+    atomic_write_text(results_dir / f"{name}.json", json.dumps(payload, indent=2))
     return md_path, csv_path, markdown
