@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from unimae.files import atomic_write_text
+from unimae.files import atomic_write_json, atomic_write_text
 
 CATEGORIES = [
     ("Retrieval", "Retr."),
@@ -151,5 +150,5 @@ def write_summary(
     csv.writer(table).writerows([header, *cells])
     atomic_write_text(csv_path, table.getvalue())
     payload = {r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing} for r in rows}
-    atomic_write_text(results_dir / f"{name}.json", json.dumps(payload, indent=2))
+    atomic_write_json(results_dir / f"{name}.json", payload)
     return md_path, csv_path, markdown
