@@ -68,6 +68,12 @@ def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
         TrainConfig(p_mar_sampling="Uniform").validate()
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
         TrainConfig(batch_size=16, micro_batch_size=8).validate(world_size=3)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):  # 0 % 8 == 0: would train nothing
+        TrainConfig(batch_size=0).validate()
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        TrainConfig(micro_batch_size=0).validate()
+    with pytest.raises(ValueError, match="inside --output-dir"):  # the run would overwrite its own start
+        TrainConfig(output_dir=str(tmp_path / "run"), init_adapter=str(tmp_path / "run" / "adapter")).validate()
 
 
 def test_every_field_has_help_text():

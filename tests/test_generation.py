@@ -343,3 +343,5 @@ def test_empty_prompt_is_rejected(tiny_model_dirs):
     model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     with pytest.raises(ValueError, match="prompt is empty"):
         generate_text(model, tokenizer, [], GenerationParams())
+    with pytest.raises(ValueError, match="prompt is empty"):  # the token source alone says so too
+        next(decode_tokens(model, [], GenerationParams(), set()))

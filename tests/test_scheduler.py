@@ -191,6 +191,19 @@ def test_cancelling_or_closing_a_generation_frees_its_row(tiny_model_dirs, gated
     assert (stats["cancelled"], stats["finished"], stats["running"], stats["waiting"]) == (3, 2, 0, 0)
 
 
+def test_a_request_cancelled_while_its_prefill_waits_for_the_model_is_never_prefilled(tiny_model_dirs, gated):
+    model, tokenizer = _load(tiny_model_dirs["llama"])
+    scheduler, lock = gated(model)
+    cancel = threading.Event()
+    stream = scheduler.submit(tokenizer(SENTENCES[0])["input_ids"], GenerationParams(8), set(), cancel=cancel)
+    assert lock.blocked.wait(WAIT)  # taken from the queue; its prefill waits for the model
+    cancel.set()
+    lock.allow(1)
+    assert list(stream) == []
+    stats = scheduler.snapshot()
+    assert (stats["cancelled"], stats["tokens"], stats["running"]) == (1, 0, 0)
+
+
 def test_a_stream_closed_or_dropped_before_its_first_token_is_cancelled(tiny_model_dirs, gated):
     model, tokenizer = _load(tiny_model_dirs["llama"])
     ids, short = tokenizer(SENTENCES[0])["input_ids"], GenerationParams(max_new_tokens=3)

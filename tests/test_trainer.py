@@ -70,6 +70,15 @@ def test_corrupt_checkpoint_falls_back_to_older(tiny_dir, corpus_file, tmp_path)
     assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5]
 
 
+def test_resume_drops_a_log_line_cut_off_by_a_crash(tiny_dir, corpus_file, tmp_path):
+    out = tmp_path / "run"
+    train(_config(tiny_dir, corpus_file, out, steps=2))
+    with open(out / "log.jsonl", "a") as log:
+        log.write('{"step": 3, "loss": 1.2')  # the append a crash cut short
+    train(_config(tiny_dir, corpus_file, out, steps=3), resume=True)
+    assert [r["step"] for r in _log(out)] == [1, 2, 3]
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tiny_dir, corpus_file, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         train(_config(tiny_dir, corpus_file, tmp_path / "empty"), resume=True)

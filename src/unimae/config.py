@@ -1,4 +1,4 @@
-"""Training configuration: one dataclass, every number of the paper recipe a field.
+"""Training configuration: :class:`TrainConfig` (with its option groups), every number of the paper recipe a field.
 
 Precedence when resolving a run's configuration (later wins):
 defaults < ``--recipe`` < ``--config FILE`` (JSON or YAML) < explicit command-line flags.
@@ -18,6 +18,8 @@ from unimae.files import atomic_write_json
 from unimae.pooling import POOLINGS
 from unimae.precision import PRECISIONS
 
+DROPOUT_PLACES = ("attention", "lora")
+
 # Recipes override the defaults (which are the CPU recipe). The paper recipe is App. C of the
 # UniMAE paper: global batch 32, max length 512, 100 steps, LoRA r=16/alpha=32, lr 1e-4 constant,
 # p_mar 0.5. The CPU recipe leaves the input unmasked (p_mar 0): on the default model, SmolLM2-135M,
@@ -25,8 +27,6 @@ from unimae.precision import PRECISIONS
 # (docs/results.md, "Tiny-decoder and p_mar diagnostics"). Likewise GEM's contrastive phase keeps --lr on the
 # CPU recipe (the GEM paper's 1e-5 is for full fine-tuning; with LoRA it leaves GEM below Echo pooling:
 # docs/results.md, "GEM as its paper describes it"); --recipe paper uses the paper's 1e-5.
-DROPOUT_PLACES = ("attention", "lora")
-
 RECIPES: dict[str, dict[str, Any]] = {
     "cpu": {},
     "paper": {
@@ -351,6 +351,14 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
             raise ValueError(f"max_length must be at least 4 tokens, got {self.max_length}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.init_adapter and Path(self.init_adapter).resolve().parent == Path(self.output_dir).resolve():
+            raise ValueError(
+                f"--init-adapter {self.init_adapter} is inside --output-dir {self.output_dir}, which this run "
+                "overwrites; give the new stage its own --output-dir"
+            )
+        for name in ("batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         per_step = self.micro_batch_size * world_size
         if self.batch_size % per_step:
             raise ValueError(

@@ -503,6 +503,8 @@ class DecodeState:
         """The state before the prefill: a cache for the prompt and ``max_new_tokens`` with the reusable part
         of ``past_key_values`` copied in (not modified; see :func:`reusable_prefix`), a seeded sampler.
         ``kv_dtype``: what the cache stores (:attr:`Decoder.kv_dtype`; default: the model's keys' dtype)."""
+        if not input_ids:
+            raise ValueError("the prompt is empty: generation needs at least one token (e.g. BOS)")
         device = next(model.parameters()).device
         cached = reusable_prefix(past_key_values, len(input_ids))
         cache = start_cache(model, len(input_ids) + params.max_new_tokens, past_key_values, cached, kv_dtype)

@@ -114,9 +114,19 @@ def _trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _read_log(path: Path, upto_step: int) -> list[str]:
+    """The log lines of steps up to ``upto_step``; a line cut off by a crash or a full disk is dropped."""
     if not path.is_file():
         return []
-    return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)["step"] if line else None
+        except (json.JSONDecodeError, KeyError, TypeError):
+            logger.warning("%s: dropping an unreadable log line: %.60s", path, line)
+            continue
+        if step is not None and step <= upto_step:
+            kept.append(line)
+    return kept
 
 
 _STEP_FIELDS = {"step", "grad_norm", "lr", "tokens", "seconds", "tokens_per_s", "elapsed", "rss_gb"}  # rest: losses
@@ -129,7 +139,7 @@ class _Run:
     config: TrainConfig
     accelerator: object
     method: Method
-    objective: torch.nn.Module  # wrapped by accelerate (DDP/FSDP) for forward/backward
+    objective: torch.nn.Module  # wrapped by accelerate (DDP) for forward/backward
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: object

@@ -98,7 +98,9 @@ class GenerationScheduler:
         self.lock = lock or ModelLock()
         self.stats = SchedulerStats()
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._rows: list[_Request] = []  # the running batch, in the scheduler thread's hands
+        # The running batch: changed only while the scheduler thread runs or waits for a step or prefill (on
+        # the model's thread, during lock.run), never by two threads at once; snapshot() reads its length.
+        self._rows: list[_Request] = []
         self._wake = threading.Condition()  # guards _waiting, _running, _stopping
         self._running = self._stopping = False
         self._thread: threading.Thread | None = None
@@ -171,18 +173,20 @@ class GenerationScheduler:
 
     def _run(self) -> None:
         error: Exception = RuntimeError("the server is shutting down")
+        arrivals: list[_Request] | None = []  # taken from the queue, not yet prefilled
         try:
             decoder = self.lock.call(Decoder, self.model, self.precision)  # packs bf16 weights on the model's thread
             while (arrivals := self._arrivals()) is not None:
-                for request in arrivals:
-                    self._prefill(decoder, request)
+                while arrivals:
+                    self._prefill(decoder, arrivals[0])
+                    arrivals.pop(0)
                 self._step(decoder)
         except Exception as err:  # a bug: end every generation with it rather than leave them waiting
             logger.exception("the generation scheduler stopped on an error")
             error = err
         with self._wake:
             self._running = False
-            left = [*self._rows, *self._waiting]
+            left = [*(arrivals or []), *self._rows, *self._waiting]
             self._rows, self._waiting = [], collections.deque()
         for request in left:
             self._end(request, error)
@@ -195,21 +199,19 @@ class GenerationScheduler:
                 self._wake.wait()
             if self._stopping:
                 return None
-            for request in [r for r in self._waiting if r.gone()]:
-                self._waiting.remove(request)
-                self._end(request, cancelled=True)
+            self._drop_gone(self._waiting)
             room = self.max_batch - len(self._rows)
             return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
 
     def _prefill(self, decoder: Decoder, request: _Request) -> None:
         """Feed ``request``'s prompt (batch 1) -> its first token; it joins the batch unless it is done."""
-        if request.gone():
-            self._end(request, cancelled=True)
-            return
         try:
             token = self.lock.run(self._start, decoder, request)
         except Exception as err:  # this request's fault (or its prompt's): the others go on
             self._end(request, err)
+            return
+        if token is None:
+            self._end(request, cancelled=True)
             return
         request.prefix = None
         self._deliver(request, token)
@@ -218,8 +220,11 @@ class GenerationScheduler:
         else:
             self._rows.append(request)
 
-    def _start(self, decoder: Decoder, request: _Request) -> int:
-        """On the model's thread: ``request``'s cache (its prefix copied in) and prefill -> its first token."""
+    def _start(self, decoder: Decoder, request: _Request) -> int | None:
+        """On the model's thread: ``request``'s cache (its prefix copied in) and prefill -> its first token;
+        None, and no prefill, if the request was cancelled while it waited for the model."""
+        if request.gone():
+            return None
         request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
         return decoder.prefill(request.state)
 
@@ -240,9 +245,7 @@ class GenerationScheduler:
     def _step_rows(self, decoder: Decoder) -> list[tuple[_Request, int]]:
         """On the model's thread, lock held: drop the rows that are gone (checked once the model is ours), then
         one decode step -> (row, token) pairs; a step that fails ends its rows ([])."""
-        for request in [r for r in self._rows if r.gone()]:
-            self._rows.remove(request)
-            self._end(request, cancelled=True)
+        self._drop_gone(self._rows)
         rows = list(self._rows)
         if not rows:
             return []
@@ -254,6 +257,12 @@ class GenerationScheduler:
                 self._end(request, err)
             return []
         return list(zip(rows, tokens, strict=True))
+
+    def _drop_gone(self, requests: list[_Request] | collections.deque[_Request]) -> None:
+        """Remove the cancelled or closed requests from ``requests`` (in place) and end them."""
+        for request in [r for r in requests if r.gone()]:
+            requests.remove(request)
+            self._end(request, cancelled=True)
 
     def _deliver(self, request: _Request, token: int) -> None:
         self.stats.tokens += 1
