@@ -59,20 +59,16 @@ class ContrastiveOptions:
     dropout: float = field(
         default=0.1, metadata={"help": "simcse/gem: dropout rate that makes the two views of a text differ."}
     )
-    dropout_on: str = field(
-        default="attention",
-        metadata={
-            "help": "simcse/gem: where that dropout acts: 'attention' (attention probabilities, as LLM2Vec) or "
-            "'lora' (LoRA inputs; a fresh LoRA has B = 0, so the views only start to differ after the first step).",
-            "choices": DROPOUT_PLACES,
-        },
+    dropout_on: str = choice_field(
+        "attention",
+        DROPOUT_PLACES,
+        "simcse/gem: where that dropout acts: 'attention' (attention probabilities, as LLM2Vec) or "
+        "'lora' (LoRA inputs; a fresh LoRA has B = 0, so the views only start to differ after the first step).",
     )
-    pooling: str = field(
-        default="auto",
-        metadata={
-            "help": "simcse/contrastive: pooling to train; auto = the --init-adapter's (eos without one).",
-            "choices": lambda: ["auto", *POOLINGS],
-        },
+    pooling: str = choice_field(
+        "auto",
+        lambda: ["auto", *POOLINGS],
+        "simcse/contrastive: pooling to train; auto = the --init-adapter's (eos without one).",
     )
     data_weights: str = field(
         default="",
@@ -120,22 +116,18 @@ class GEMOptions:
     gem_switch_step: int = field(
         default=100, metadata={"help": "gem: steps of NTP before the loss switches to contrastive (paper: 100)."}
     )
-    gem_summary_tokens: str = field(
-        default="new",
-        metadata={
-            "help": "gem: 'new' (k new special tokens <|summary_i|> added to the tokenizer, embedding rows grown, "
-            "as the paper) or 'spare' (the tokenizer's k highest spare special tokens, no resize).",
-            "choices": ("new", "spare"),
-        },
+    gem_summary_tokens: str = choice_field(
+        "new",
+        ("new", "spare"),
+        "gem: 'new' (k new special tokens <|summary_i|> added to the tokenizer, embedding rows grown, "
+        "as the paper) or 'spare' (the tokenizer's k highest spare special tokens, no resize).",
     )
-    gem_summary_init: str = field(
-        default="mean",
-        metadata={
-            "help": "gem [open]: initial input-embedding rows of new summary tokens: 'mean' (mean of the "
-            "vocabulary's rows; with a tied head their logit starts at the average token's) or 'eos' (a copy of "
-            "EOS's row, so the untrained summary state is h_eos; with a tied head their logit starts at EOS's).",
-            "choices": ("mean", "eos"),
-        },
+    gem_summary_init: str = choice_field(
+        "mean",
+        ("mean", "eos"),
+        "gem [open]: initial input-embedding rows of new summary tokens: 'mean' (mean of the "
+        "vocabulary's rows; with a tied head their logit starts at the average token's) or 'eos' (a copy of "
+        "EOS's row, so the untrained summary state is h_eos; with a tied head their logit starts at EOS's).",
     )
     gem_train_summary_rows: bool = field(
         default=True,
@@ -144,22 +136,18 @@ class GEMOptions:
             "are saved); --no-gem-train-summary-rows with --gem-summary-tokens spare is the earlier behaviour."
         },
     )
-    gem_block_position: str = field(
-        default="uniform",
-        metadata={
-            "help": "gem [open]: where the block goes in an NTP row: 'uniform' over the gaps with >= 1 text token "
-            "before it and >= 1 token after it (the final EOS counts), or 'inner' (>= 1 text token after it too).",
-            "choices": ("uniform", "inner"),
-        },
+    gem_block_position: str = choice_field(
+        "uniform",
+        ("uniform", "inner"),
+        "gem [open]: where the block goes in an NTP row: 'uniform' over the gaps with >= 1 text token "
+        "before it and >= 1 token after it (the final EOS counts), or 'inner' (>= 1 text token after it too).",
     )
-    gem_positives: str = field(
-        default="prefix",
-        metadata={
-            "help": "gem: the contrastive positive of a text: 'prefix' (the same row with --gem-prefix-dropout of "
-            "its text tokens dropped, as the paper; no model dropout) or 'dropout' (a second pass with --dropout "
-            "on --dropout-on, SimCSE style; the earlier behaviour).",
-            "choices": ("prefix", "dropout"),
-        },
+    gem_positives: str = choice_field(
+        "prefix",
+        ("prefix", "dropout"),
+        "gem: the contrastive positive of a text: 'prefix' (the same row with --gem-prefix-dropout of "
+        "its text tokens dropped, as the paper; no model dropout) or 'dropout' (a second pass with --dropout "
+        "on --dropout-on, SimCSE style; the earlier behaviour).",
     )
     gem_prefix_dropout: float = field(
         default=0.5,
@@ -187,13 +175,11 @@ class GEMOptions:
             "score 44.88 on the dev suite at 0.1 and 53.32 at 1 (Echo pooling 45.82)."
         },
     )
-    gem_lr_schedule: str = field(
-        default="cosine",
-        metadata={
-            "help": "gem: contrastive-phase schedule: 'cosine' (from --lr x --gem-contrastive-lr-scale to 0 at "
-            "--steps) or 'constant'. The NTP phase is constant at --lr.",
-            "choices": ("cosine", "constant"),
-        },
+    gem_lr_schedule: str = choice_field(
+        "cosine",
+        ("cosine", "constant"),
+        "gem: contrastive-phase schedule: 'cosine' (from --lr x --gem-contrastive-lr-scale to 0 at "
+        "--steps) or 'constant'. The NTP phase is constant at --lr.",
     )
 
 
@@ -224,10 +210,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."}
     )
     recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
-    method: str = field(
-        default="unimae",
-        metadata={"help": "Training method (unimae.methods; see the choices).", "choices": lambda: method_names()},
-    )
+    method: str = choice_field("unimae", lambda: method_names(), "Training method (unimae.methods; see the choices).")
     init_adapter: str = field(
         default="",
         metadata={"help": "Start from this trained adapter (merged into the base), e.g. UniMAE then --method simcse."},
@@ -301,12 +284,10 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         "so queries differ by position) or 'legacy' (raw h_eos + p_i ~ N(0, 0.02), earlier results).",
     )
 
-    precision: str = field(
-        default="auto",
-        metadata={
-            "help": "'auto' (bf16 autocast where the CPU/GPU supports it), 'bf16' or 'fp32'.",
-            "choices": PRECISIONS,
-        },
+    precision: str = choice_field(
+        "auto",
+        PRECISIONS,
+        "'auto' (bf16 autocast where the CPU/GPU supports it), 'bf16' or 'fp32'.",
     )
     ce_chunk_size: int = field(
         default=1024, metadata={"help": "Rows per output-head cross-entropy chunk (no full BxTxV logits)."}
