@@ -162,6 +162,29 @@ def test_a_large_request_gets_a_chunk_after_each_round_of_small_ones():
     assert kinds[:5] == ["big", "s0:", "big", "s1:", "big"]
 
 
+def test_the_rest_of_a_large_request_is_not_overtaken_forever_by_newer_small_requests():
+    gate = Gate()
+
+    async def main():
+        batcher = DynamicBatcher(gate, max_wait_ms=0, chunk_tokens=10)
+        batcher.start()
+        large = asyncio.create_task(batcher.submit(_texts("big", 3, 4)))  # 12 tokens: 2 texts, then 1
+        chunks, smalls = [await gate.next_call()], []
+        for i in range(3):  # during every chunk a small request arrives that cannot share a chunk with big's rest
+            smalls.append(asyncio.create_task(batcher.submit(_texts(f"s{i}", 2, 4))))
+            await _until(lambda: batcher.snapshot()["requests"] == i + 2)
+            gate.release()
+            chunks.append(await gate.next_call())
+        for _ in range(3):  # the chunk running now and what is left (s1, s2): permits to spare
+            gate.release()
+        await asyncio.wait_for(asyncio.gather(large, *smalls), 30)
+        await batcher.stop()
+        return [[item.rstrip(".") for item in chunk] for chunk in chunks]
+
+    chunks = asyncio.run(main())
+    assert chunks[:3] == [["big:0", "big:1"], ["s0:0", "s0:1"], ["big:2"]]  # its rest: the next large turn
+
+
 def test_small_requests_that_came_during_a_large_chunk_all_go_before_its_next_chunk():
     gate = Gate()
 

@@ -3,7 +3,7 @@ interleave with small ones, and the work of a caller that has gone is dropped.
 
 One scheduling round builds one *chunk*: one ``embed`` call (one forward pass, off the event loop) of at most
 ``chunk_tokens`` padded tokens (texts x longest text) and ``max_batch_texts`` texts. A waiting request is
-*small* if what it has left fits in one chunk, *large* otherwise.
+*small* if it fits in one chunk, *large* otherwise (until it is done, even once its rest would fit).
 
 - A small round takes whole small requests, oldest first, while they fit.
 - A large round gives one chunk to the large request with the fewest tokens embedded so far (then the
@@ -186,8 +186,8 @@ class DynamicBatcher:
         if self._after_large:  # what was submitted while that large chunk ran goes before the next one
             self._due, self._after_large = self.stats.requests, False
         waiting = [r for r in self._requests if r.pending]
-        small = sorted((r for r in waiting if self._fits(r)), key=lambda r: (r.attained, r.seq))
-        large = sorted((r for r in waiting if not self._fits(r)), key=lambda r: (r.attained, r.seq))
+        small = sorted((r for r in waiting if self._small(r)), key=lambda r: (r.attained, r.seq))
+        large = sorted((r for r in waiting if not self._small(r)), key=lambda r: (r.attained, r.seq))
         if large and not any(r.seq < self._due for r in small):
             self._after_large = True
             request = large[0]
@@ -202,6 +202,12 @@ class DynamicBatcher:
             chunk.append((request, request.take(count)))
             texts, width = texts + count, grown
         return chunk
+
+    def _small(self, request: _Request) -> bool:
+        """Whether ``request`` is served in small rounds: it fits in one chunk and none of it was embedded yet.
+        The rest of a large request stays in the large lane, so it gets the next large turn and is not
+        overtaken forever by newer small requests that it cannot share a chunk with."""
+        return request.attained == 0 and self._fits(request)
 
     def _fits(self, request: _Request) -> bool:
         """Whether what ``request`` has left fits in one chunk (pending texts are longest first)."""
