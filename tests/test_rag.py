@@ -87,6 +87,18 @@ def test_rag_kv_reuse_gives_the_same_answer(encoder, tmp_path):
     assert cached.prompt_tokens == len(prompt)
 
 
+def test_a_mean_pooled_query_leaves_the_prompt_tokenizer_untouched(tiny_dir, tmp_path):
+    """A fast tokenizer switched to truncation while another thread tokenizes a prompt fails: a query embedded
+    with truncation (mean pooling) must not switch the encoder's own tokenizer, which prompts use."""
+    enc = Encoder.from_pretrained(str(tiny_dir), precision="fp32", max_length=64, pooling="mean")
+    rag = RAG(enc, VectorIndex.build(enc, PASSAGES, tmp_path / "idx"))
+    answer = rag.answer("where did the cat sit", params=GenerationParams(max_new_tokens=4))
+    enc.tokenizer("a prompt")  # as prompts are tokenized: no truncation
+    hits = rag.retrieve("where did the cat sit")
+    assert enc.tokenizer.backend_tokenizer.truncation is None, "the query's truncation switched the shared tokenizer"
+    assert [h.id for h in hits] == [h.id for h in answer.hits] and answer.cached_tokens == 0
+
+
 def test_encode_with_cache_matches_encode(encoder):
     vector, ids, cache = encoder.encode_with_cache("the river flows north")
     np.testing.assert_allclose(vector, encoder.encode(["the river flows north"])[0], atol=1e-5)

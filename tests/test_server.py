@@ -271,6 +271,9 @@ def test_rag_route_retrieves_and_answers_the_same_with_and_without_cache(server)
     events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
     assert events[0]["object"] == "rag.passages" and events[-1]["answer"] == cached["answer"]
     assert stream.rstrip().endswith("data: [DONE]")
+    # the question alone fits the context, with its passages it does not: 400 before the stream, not 200 + error
+    overflow = _post(server, "/v1/rag", {"query": LONG, "k": 50, "max_tokens": 8, "stream": True})
+    assert overflow.status_code == 400 and "context" in overflow.json()["error"]["message"]
 
 
 def test_more_edge_cases_get_clean_4xx(server):

@@ -12,6 +12,7 @@ query ..." (the question is repeated next to the answer position, where a small 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -45,6 +46,17 @@ class RAGConfig:
     def __post_init__(self):
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
+
+
+@dataclass
+class RAGPrompt:
+    """A question made ready to answer: the retrieved passages and the generation prompt.
+
+    ``cache``: the query embedding pass's KV cache, a prefix of ``ids`` (None when not reused)."""
+
+    hits: list[Hit]
+    ids: list[int]
+    cache: Any = None
 
 
 @dataclass
@@ -94,10 +106,18 @@ class RAG:
         if encoder.embedding_dim != index.manifest["dim"]:
             raise ValueError(f"encoder dimension {encoder.embedding_dim} != index dimension {index.manifest['dim']}")
         self.encoder, self.index, self.config = encoder, index, config or RAGConfig()
+        # Queries embedded with a pooling other than eos are tokenized with truncation to the encoder's length,
+        # prompts without: one fast tokenizer switched between the two fails ("Already borrowed") while another
+        # thread uses it, so those queries get their own copy, always called the same way.
+        self._query_tokenizer = encoder.tokenizer if encoder.spec.is_last_token else copy.deepcopy(encoder.tokenizer)
 
     def retrieve(self, query: str, k: int | None = None) -> list[Hit]:
-        vector = self.encoder.encode([query], normalize=True)  # (1, D)
-        return self.index.search(vector, k or self.config.k)[0]
+        return self.index.search(self._embed(query, _call)[None], k or self.config.k)[0]
+
+    def _embed(self, query: str, on_model: Callable[..., Any]):
+        """The query's normalised embedding (D,), its forward run through ``on_model``."""
+        inputs = self.encoder.spec.build_inputs(self._query_tokenizer, [query], self.encoder.max_length)
+        return on_model(self.encoder.encode_inputs, inputs, normalize=True)[0]
 
     def prompt_tail(self, query: str, hits: list[Hit]) -> list[int]:
         """Token ids that follow ``query [EOS]`` in the generation prompt."""
@@ -117,6 +137,33 @@ class RAG:
                 f"of {context} tokens; shorten the question or lower k / max_tokens"
             )
 
+    def prepare(
+        self,
+        query: str,
+        params: GenerationParams,
+        k: int | None = None,
+        reuse_kv: bool | None = None,
+        on_model: Callable[..., Any] | None = None,
+    ) -> RAGPrompt:
+        """Embed the query, retrieve, and build the prompt; ValueError when it leaves no room for
+        ``params.max_new_tokens`` (see :meth:`check_budget`), so a server can answer 400 before it streams.
+
+        ``on_model(fn, *args)``: runs the query's embedding pass (the server's ``ModelLock.run``, so every
+        forward stays on one thread); by default it runs here.
+        """
+        on_model = on_model or _call
+        self.check_budget(query, params.max_new_tokens)
+        reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
+        if self.encoder.spec.is_last_token:
+            vector, query_ids, cache = on_model(self.encoder.encode_with_cache, query, normalize=True)  # (D,), ids, KV
+        else:  # the embedding pass is not a causal prefix of the prompt: nothing to reuse
+            vector, cache, reuse = self._embed(query, on_model), None, False
+            query_ids = self.encoder.prompt_ids(query) + [self.encoder.tokenizer.eos_token_id]
+        hits = self.index.search(vector[None], k or self.config.k)[0]
+        ids = query_ids + self.prompt_tail(query, hits)
+        self.check_budget(query, params.max_new_tokens, len(ids))
+        return RAGPrompt(hits, ids, cache if reuse else None)
+
     def stream(
         self,
         query: str,
@@ -126,36 +173,28 @@ class RAG:
         cancel: threading.Event | None = None,
         decode: Callable[..., Iterator[int]] = decode_tokens,
         on_model: Callable[..., Any] | None = None,
+        prompt: RAGPrompt | None = None,
     ) -> Iterator[list[Hit] | str | RAGAnswer]:
         """Yield the retrieved hits, then answer text pieces, then the :class:`RAGAnswer`.
 
-        ``cancel`` (set by a caller whose client left) ends the generation within a token. ``decode``: the
-        token source (see :func:`~unimae.generation.generate_stream`; the server's batching scheduler).
-        ``on_model(fn, *args)``: runs the query's embedding pass (the server's ``ModelLock.run``, so every
-        forward stays on one thread); by default it runs here.
+        ``prompt``: what :meth:`prepare` made of ``query`` (else it is made here, with ``k``, ``reuse_kv`` and
+        ``on_model``). ``cancel`` (set by a caller whose client left) ends the generation within a token.
+        ``decode``: the token source (see :func:`~unimae.generation.generate_stream`; the server's batching
+        scheduler).
         """
-        on_model = on_model or _call
         params = params or GenerationParams(max_new_tokens=128)
-        self.check_budget(query, params.max_new_tokens)
-        reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
-        if self.encoder.spec.is_last_token:
-            vector, query_ids, cache = on_model(self.encoder.encode_with_cache, query, normalize=True)  # (D,), ids, KV
-        else:  # the embedding pass is not a causal prefix of the prompt: nothing to reuse
-            vector, cache, reuse = on_model(self.encoder.encode, [query], normalize=True)[0], None, False
-            query_ids = self.encoder.prompt_ids(query) + [self.encoder.tokenizer.eos_token_id]
-        hits = self.index.search(vector[None], k or self.config.k)[0]
-        ids = query_ids + self.prompt_tail(query, hits)
-        self.check_budget(query, params.max_new_tokens, len(ids))
+        prompt = prompt or self.prepare(query, params, k, reuse_kv, on_model)
+        hits = prompt.hits
         yield hits
         start, first = time.perf_counter(), None
         result: GenerationResult | None = None
         for item in generate_stream(
             self.encoder.model,
             self.encoder.tokenizer,
-            ids,
+            prompt.ids,
             params,
             precision=self.encoder.precision,
-            past_key_values=cache if reuse else None,
+            past_key_values=prompt.cache,
             cancel=cancel,
             decode=decode,
         ):
@@ -168,7 +207,7 @@ class RAG:
             text=result.text,
             hits=hits,
             prompt_tokens=result.prompt_tokens,
-            cached_tokens=len(query_ids) if reuse else 0,
+            cached_tokens=result.cached_tokens,
             completion_tokens=result.completion_tokens,
             finish_reason=result.finish_reason,
             seconds_to_first_token=first,

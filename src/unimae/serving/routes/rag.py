@@ -36,16 +36,18 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
     except ValueError as err:
         raise APIError(400, str(err), "query") from err
     state.slots.reserve()
+    try:  # retrieval and the full prompt's budget check before any answer starts: a streamed answer gets 400 too
+        prompt = await run_in_threadpool(
+            state.rag.prepare, body.query, params, k=body.k, reuse_kv=body.reuse_kv, on_model=state.lock.run
+        )
+    except BaseException as err:
+        state.slots.unreserve()
+        if isinstance(err, ValueError):
+            raise APIError(400, str(err), "query") from err
+        raise
     cancel = threading.Event()
     run = functools.partial(
-        state.rag.stream,
-        body.query,
-        params=params,
-        k=body.k,
-        reuse_kv=body.reuse_kv,
-        cancel=cancel,
-        decode=state.decode,
-        on_model=state.lock.run,
+        state.rag.stream, body.query, params=params, cancel=cancel, decode=state.decode, prompt=prompt
     )
     model = state.config.model_name
     if body.stream:
