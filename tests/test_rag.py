@@ -65,6 +65,26 @@ def test_index_refuses_other_passages_and_incomplete_folders(encoder, tmp_path):
         VectorIndex.load(tmp_path / "nothing")
 
 
+def test_damaged_index_files_and_empty_builds_are_clear_errors(encoder, tmp_path):
+    from unimae.rag import load_index_and_encoder
+
+    with pytest.raises(VectorIndexError, match="no passages"):
+        VectorIndex.build(encoder, [], tmp_path / "empty")
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")  # no source: the manifest names no model
+    with pytest.raises(VectorIndexError, match="records no model"):
+        load_index_and_encoder(tmp_path / "idx")
+    passages = tmp_path / "idx" / "passages.jsonl"
+    passages.write_text(passages.read_text()[:-20] + "\n")  # the last record cut short
+    with pytest.raises(VectorIndexError, match=rf"line {len(PASSAGES)}, is damaged"):
+        VectorIndex.load(tmp_path / "idx")
+    passages.unlink()
+    with pytest.raises(VectorIndexError, match="passages.jsonl is missing"):
+        VectorIndex.load(tmp_path / "idx")
+    (tmp_path / "idx" / "manifest.json").write_bytes(b"\xff{")
+    with pytest.raises(VectorIndexError, match="damaged"):  # also when resuming a build into it
+        VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")
+
+
 def test_load_passages_ids_and_errors(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"id": "a", "text": "first"}\n{"text": "second"}\n\n{"id": "c", "text": "  "}\n')

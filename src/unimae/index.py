@@ -1,10 +1,10 @@
-"""A persistent FAISS vector index of passages, embedded with the model's [EOS] embeddings.
+"""A persistent FAISS vector index of passages, embedded as the encoder's ``EmbeddingSpec`` says ([EOS] by default).
 
 Layout of an index folder::
 
     manifest.json     model, adapter revision, pooling, dim, kind, passage fingerprint, complete flag
     passages.jsonl    {"id", "text"} per passage, in index order
-    shards/00000.npy  (shard_size, D) float32 unit vectors, written one by one (resume point)
+    shards/00000256.npy  (shard_size, D) float32 unit vectors, named by first passage, written one by one
     index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
 
 Every file is written to a temporary name and renamed into place, so a killed ``unimae index`` leaves
@@ -121,6 +121,8 @@ class VectorIndex:
         ``source`` (model spec, adapter, corpus) is recorded in the manifest; an existing folder built from
         other passages, another model or adapter is an error unless ``overwrite``.
         """
+        if not passages:
+            raise VectorIndexError("no passages to index")
         config = config or IndexConfig()
         directory = Path(directory)
         shards = directory / "shards"
@@ -163,21 +165,12 @@ class VectorIndex:
             raise VectorIndexError(
                 f"{directory} is not a unimae index (no manifest.json); build one with `unimae index`"
             )
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            raise VectorIndexError(
-                f"{manifest_path} is damaged ({err.msg}); rebuild with `unimae index --overwrite`"
-            ) from err
+        manifest = _read_manifest(manifest_path)
         if not manifest.get("complete"):
             raise VectorIndexError(
                 f"{directory} is incomplete (indexing was interrupted); rerun `unimae index` to resume"
             )
-        passages = []
-        with open(directory / "passages.jsonl", encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line)
-                passages.append((record["id"], record["text"]))
+        passages = _read_passages(directory / "passages.jsonl")
         faiss = _faiss()
         try:
             index = faiss.read_index(str(directory / "index.faiss"))
@@ -210,6 +203,30 @@ class VectorIndex:
         ]
 
 
+def _read_manifest(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise VectorIndexError(f"{path} is damaged ({err}); rebuild with `unimae index --overwrite`") from err
+
+
+def _read_passages(path: Path) -> list[tuple[str, str]]:
+    """The (id, text) records of a finished index; a clear error for a missing or damaged file."""
+    if not path.is_file():
+        raise VectorIndexError(f"{path} is missing; rebuild the index with `unimae index --overwrite`")
+    passages = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            try:
+                record = json.loads(line)
+                passages.append((record["id"], record["text"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise VectorIndexError(
+                    f"{path}, line {number}, is damaged ({err}); rebuild the index with `unimae index --overwrite`"
+                ) from err
+    return passages
+
+
 def _shard_path(shards: Path, start: int) -> Path:
     return shards / f"{start:08d}.npy"
 
@@ -218,7 +235,7 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
     """Refuse to resume into a folder whose index was built another way (unless ``overwrite``, which drops its
     embedded ``shards`` instead)."""
     if manifest_path.is_file() and not overwrite:
-        old = json.loads(manifest_path.read_text())
+        old = _read_manifest(manifest_path)
         for key in ("embedding", "precision", "merged"):  # manifests written before these were recorded
             old.setdefault(key, manifest[key])
         same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "precision")

@@ -1,4 +1,4 @@
-"""Retrieve-and-generate with ONE model: the [EOS] embedding retrieves, the same weights answer.
+"""Retrieve-and-generate with ONE model: its embedding ([EOS] by default) retrieves, the same weights answer.
 
 The generation prompt starts with exactly the token ids the query's embedding pass saw
 (``query + [EOS]``), so the KV cache of that pass is the prefix of the prompt: generation prefills only
@@ -258,6 +258,8 @@ def load_index_and_encoder(
             model,
         )
     spec = index.spec
+    if model is None and not manifest.get("model"):
+        raise VectorIndexError(f"the index in {index_dir} records no model; pass the model that built it (--model)")
     encoder = Encoder.from_pretrained(
         model or manifest["model"],
         adapter=adapter,
