@@ -608,3 +608,28 @@ def test_attention_override_is_recorded_and_changes_the_embeddings(tiny_model_di
     assert causal.cache_misses > 0
     assert (bidirectional.cache_hits, bidirectional.cache_misses) == (causal.cache_hits, causal.cache_misses)
     assert runs["causal"].scores["STSBenchmark"] != runs["bidirectional"].scores["STSBenchmark"]
+
+
+def test_embedding_cache_recomputes_a_damaged_row_and_names_an_unreadable_file(tmp_path):
+    import sqlite3
+
+    from unimae.evaluation.embedding_cache import EmbeddingCache, EmbeddingCacheError
+
+    cache = EmbeddingCache(tmp_path / "c.sqlite", "ns")
+    first = cache.get_or_compute(["a", "b"], lambda t: np.ones((len(t), 3), dtype=np.float32))
+    with sqlite3.connect(tmp_path / "c.sqlite") as db:  # one row's vector cut short
+        db.execute("UPDATE emb SET vec = ? WHERE rowid = 1", (b"\0" * 4,))
+    again = cache.get_or_compute(["a", "b"], lambda t: np.full((len(t), 3), 2, dtype=np.float32))
+    assert first.shape == again.shape == (2, 3) and sorted(again.sum(axis=1)) == [3.0, 6.0]
+    cache.close()
+    (tmp_path / "bad.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(EmbeddingCacheError, match="--no-cache"):
+        EmbeddingCache(tmp_path / "bad.sqlite", "ns")
+
+
+def test_default_labels_of_two_adapters_in_one_folder_differ():
+    from unimae.evaluation.embeddings import default_label
+
+    assert default_label("smollm2-135m", "runs/t1/unimae/adapter", "eos") == "smollm2-135m-unimae-eos"
+    assert default_label("smollm2-135m", "adapters/a", "eos") != default_label("smollm2-135m", "adapters/b", "eos")
+    assert default_label("org/model", None, "mean") == "org_model-base-mean"

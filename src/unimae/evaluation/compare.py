@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unimae.evaluation.embeddings import evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
+from unimae.evaluation.embeddings import adapter_label, evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
 from unimae.evaluation.generation import HEADLINE_METRIC, evaluate_generation
 from unimae.evaluation.summary import write_summary
 
@@ -30,11 +30,6 @@ class CompareConfig:
     generation_limit: int | None = None
     batch_size: int = 32
     max_length: int = 512
-
-
-def adapter_label(adapter: str) -> str:
-    path = Path(adapter)
-    return path.parent.name if path.name == "adapter" else path.name
 
 
 def generation_table(rows: dict[str, dict]) -> str:

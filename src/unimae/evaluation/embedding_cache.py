@@ -25,6 +25,10 @@ def namespace_key(**identity) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+class EmbeddingCacheError(ValueError):
+    """The cache file exists but is not a readable SQLite database."""
+
+
 class EmbeddingCache:
     """``get_or_compute(texts, compute)`` returns (N, D) float32, computing only the missing texts."""
 
@@ -35,10 +39,17 @@ class EmbeddingCache:
         self.hits = 0
         self.misses = 0
         self._db = sqlite3.connect(self.path, timeout=120)  # several evaluations may share one file
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS emb (ns TEXT, key TEXT, dim INTEGER, vec BLOB, PRIMARY KEY (ns, key))"
-        )
-        self._db.commit()
+        try:
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS emb (ns TEXT, key TEXT, dim INTEGER, vec BLOB, PRIMARY KEY (ns, key))"
+            )
+            self._db.commit()
+        except sqlite3.DatabaseError as err:
+            self._db.close()
+            raise EmbeddingCacheError(
+                f"the embedding cache {self.path} cannot be read ({err}); delete it (embeddings are recomputed) "
+                "or evaluate with --no-cache"
+            ) from err
 
     def close(self) -> None:
         self._db.close()
@@ -50,9 +61,10 @@ class EmbeddingCache:
             chunk = unique[start : start + 500]
             marks = ",".join("?" * len(chunk))
             rows = self._db.execute(
-                f"SELECT key, vec FROM emb WHERE ns = ? AND key IN ({marks})", (self.namespace, *chunk)
+                f"SELECT key, dim, vec FROM emb WHERE ns = ? AND key IN ({marks})", (self.namespace, *chunk)
             )
-            found.update({key: np.frombuffer(vec, dtype=np.float32) for key, vec in rows})
+            # a blob of the wrong size (a damaged row) counts as missing: it is computed and written again
+            found.update({key: np.frombuffer(vec, dtype=np.float32) for key, dim, vec in rows if len(vec) == 4 * dim})
         return found
 
     def get_or_compute(self, texts: Sequence[str], compute: Callable[[list[str]], np.ndarray]) -> np.ndarray:

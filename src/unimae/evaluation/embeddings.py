@@ -281,9 +281,16 @@ def set_aside_other_model(out: Path) -> Path:
     return aside
 
 
+def adapter_label(adapter: str) -> str:
+    """A row name for an adapter folder: its run's name for ``RUN/adapter``, else the folder's own name
+    (``adapters/a`` and ``adapters/b`` stay apart)."""
+    path = Path(adapter)
+    return path.parent.name if path.name == "adapter" else path.name
+
+
 def default_label(model: str, adapter: str | None, pooling: str) -> str:
     base = Path(model).name if Path(model).exists() else model.replace("/", "_")
-    return f"{base}-{Path(adapter).parent.name if adapter else 'base'}-{pooling}"
+    return f"{base}-{adapter_label(adapter) if adapter else 'base'}-{pooling}"
 
 
 def _open_cache(output_dir: Path, encoder, model: str, weights: str | None, revision: str | None):
