@@ -1,8 +1,9 @@
 """Export a base model + adapter for the ecosystem.
 
 - ``hf``: a plain Hugging Face model directory (LoRA merged into float32 weights) with a model
-  card stating pooling, EOS handling and the training recipe. transformers loads it for generation
-  and for embeddings (last-layer state at an appended EOS).
+  card stating pooling, EOS handling and the training recipe. transformers loads it for generation and
+  for embeddings as the card says (for UniMAE: the last-layer state at an appended EOS; the card and
+  ``unimae.json`` name the attention and pooling of other methods).
 - ``sentence-transformers``: the same weights as a SentenceTransformer directory: Transformer
   module + Pooling. For causal ``eos`` (UniMAE) it is last-token pooling with a tokenizer whose
   post-processor appends EOS after truncation, so ``SentenceTransformer(dir).encode(texts)`` gives

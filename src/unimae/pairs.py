@@ -6,7 +6,7 @@
   ``{"path", "weight"}`` entries, or ``{"sources": [...]}``; relative paths are relative to the file).
 - Weights: ``--data-weights 2,1`` (one number per source, overrides the file), ``size`` (proportional to
   the number of pairs), ``sqrt`` (to its square root), or empty (the file's weights, else ``size``).
-  A weight of 0 leaves a source out.
+  A source of weight 0 is loaded (and checked) but never sampled.
 
 Every global batch is drawn from ONE source (harder in-batch negatives; sentence-transformers' multi-dataset
 practice): :class:`SourceBatchOrder` chooses the source of batch ``k`` by weighted sampling as a pure
@@ -134,7 +134,8 @@ def resolve_weights(sources: list[Source], sizes: list[int], rule: str) -> list[
 
 @dataclass
 class Mixture:
-    """All pairs, concatenated source after source; ``offsets[s]`` is where source ``s`` starts."""
+    """All pairs, concatenated source after source (``sizes[s]`` of source ``s``; :class:`SourceBatchOrder`
+    turns those into offsets), and each source's sampling weight."""
 
     sources: list[Source]
     pairs: list[dict]
