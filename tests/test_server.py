@@ -516,18 +516,19 @@ def test_embedding_requests_are_tokenized_off_the_event_loop(tiny_model_dirs, mo
     assert response.status_code == 200 and len(response.json()["data"]) == 1
 
 
-def test_on_too_long_error_refuses_only_inputs_over_max_length(tiny_model_dirs):
+@pytest.mark.parametrize("pooling,limit", [("eos", 16), ("echo", 17)])  # echo at 17: an even budget to halve
+def test_on_too_long_error_refuses_only_inputs_over_max_length(tiny_model_dirs, pooling, limit):
     from unimae.serving.app import create_app
     from unimae.serving.config import ServerConfig
 
-    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=16)
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=limit, pooling=pooling)
     app = create_app(encoder, ServerConfig(model_name="tiny", on_too_long="error"))
     words = LONG.split()
     by_length = {}  # model input length (BOS, text, EOS) -> a text of that length
     for n in range(1, len(words)):
         text = " ".join(words[:n])
         by_length.setdefault(len(encoder.spec.build_inputs(encoder.tokenizer, [text], 10_000)[0].ids), text)
-    fits, over = by_length[max(k for k in by_length if k <= 16)], by_length[min(k for k in by_length if k > 16)]
+    fits, over = by_length[max(k for k in by_length if k <= limit)], by_length[min(k for k in by_length if k > limit)]
 
     async def main():
         app.state.server.batcher.start()
@@ -542,4 +543,4 @@ def test_on_too_long_error_refuses_only_inputs_over_max_length(tiny_model_dirs):
     assert ok.status_code == 200, ok.text
     assert np.allclose(ok.json()["data"][0]["embedding"], encoder.encode([fits], normalize=True)[0], atol=1e-5)
     assert refused.status_code == 400, refused.text
-    assert "input[1] is over this server's limit of 16" in refused.json()["error"]["message"]
+    assert f"input[1] is over this server's limit of {limit}" in refused.json()["error"]["message"]

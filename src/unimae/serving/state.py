@@ -84,16 +84,17 @@ class ServerState:
     def embedding_inputs(self, texts: list[str]) -> list[PooledInput]:
         """Model inputs of ``texts`` for the batcher (call it in a worker thread: a few MB of text takes seconds).
 
-        With ``on_too_long='error'`` they are built for ``max_length + 1`` tokens: an input longer than
-        ``max_length`` comes out one token longer than that (the route refuses it), and every other input is
-        exactly what ``max_length`` gives (truncation is the only effect of the length on every pooling).
+        With ``on_too_long='error'`` they are built for ``max_length + 2`` tokens: an input longer than
+        ``max_length`` comes out longer than that (the route refuses it), and every other input is exactly what
+        ``max_length`` gives (truncation is the only effect of the length on every pooling). Two, not one: echo
+        halves its budget between the two copies, so one more token may not lengthen a truncated echo input.
 
         The tokenizer is the encoder's, copied once, and always called with the same truncation setting:
         a Hugging Face fast tokenizer rewrites its Rust state when the setting changes, which fails ("Already
         borrowed") while another thread is tokenizing with it, and prompts are tokenized in other threads.
         """
         error = self.config.on_too_long == "error"
-        length = self.encoder.max_length + 1 if error else self.encoder.max_length
+        length = self.encoder.max_length + 2 if error else self.encoder.max_length
         return self.encoder.spec.build_inputs(self.embedding_tokenizer, texts, length)
 
     @property

@@ -54,7 +54,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
             raise APIError(400, f"input[{i}] is empty", "input")
     inputs = state.embedding_inputs(texts)
     for i, item in enumerate(inputs):
-        if len(item.ids) > encoder.max_length:  # built for max_length + 1 only when on_too_long is "error"
+        if len(item.ids) > encoder.max_length:  # built for max_length + 2 only when on_too_long is "error"
             raise APIError(
                 400,
                 f"input[{i}] is over this server's limit of {encoder.max_length} tokens; shorten it "
