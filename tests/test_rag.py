@@ -1,6 +1,8 @@
 """Vector index (build, resume, damage) and one-model RAG with KV-cache reuse, on tiny models."""
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -148,3 +150,10 @@ def test_index_and_ask_commands(tiny_model_dirs, tmp_path, capsys):
     answer = json.loads(capsys.readouterr().out)
     assert answer["passages"][0]["id"] == "p2" and answer["cached_prompt_tokens"] > 0
     assert main(["ask", "x", "--index", str(tmp_path / "missing")]) == 2
+    model = tmp_path / "model"  # a local model folder rebuilt in place is not resumed into the old shards
+    shutil.copytree(tiny, model)
+    build = ["index", "--model", str(model), "--corpus", str(corpus), "--output-dir", str(tmp_path / "idx2")]
+    assert main([*build, "--precision", "fp32"]) == 0
+    os.utime(model / "config.json", ns=(0, 0))
+    capsys.readouterr()
+    assert main([*build, "--precision", "fp32"]) == 2 and "model_revision" in capsys.readouterr().err

@@ -236,10 +236,10 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
     embedded ``shards`` instead)."""
     if manifest_path.is_file() and not overwrite:
         old = _read_manifest(manifest_path)
-        for key in ("embedding", "precision", "merged"):  # manifests written before these were recorded
-            old.setdefault(key, manifest[key])
-        same = ("format", "model", "adapter_revision", "pooling", "embedding", "max_length", "precision")
-        same += ("merged", "passages")  # a resumed build never mixes shards embedded two ways
+        for key in ("embedding", "precision", "merged", "model_revision"):  # older manifests lack these
+            old.setdefault(key, manifest.get(key))
+        same = ("format", "model", "model_revision", "adapter_revision", "pooling", "embedding", "max_length")
+        same += ("precision", "merged", "passages")  # a resumed build never mixes shards embedded two ways
         changed = [k for k in same if old.get(k) != manifest.get(k)]
         if changed or old.get("config", {}).get("shard_size") != config.shard_size:
             raise VectorIndexError(

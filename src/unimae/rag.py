@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unimae.adapter import adapter_revision
+from unimae.adapter import adapter_revision, model_revision
 from unimae.decoding import decode_tokens
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
@@ -258,6 +258,14 @@ def load_index_and_encoder(
             model,
         )
     spec = index.spec
+    built_weights = manifest.get("model_revision")
+    if model is None and built_weights and model_revision(manifest.get("model", "")) not in (None, built_weights):
+        logger.warning(
+            "the model folder %s changed since the index in %s was built (its files differ): if its weights did, "
+            "queries will not match the passages; rebuild with `unimae index --overwrite`",
+            manifest["model"],
+            index_dir,
+        )
     if model is None and not manifest.get("model"):
         raise VectorIndexError(f"the index in {index_dir} records no model; pass the model that built it (--model)")
     encoder = Encoder.from_pretrained(

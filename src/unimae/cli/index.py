@@ -40,7 +40,7 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from unimae.adapter import adapter_revision
+    from unimae.adapter import adapter_revision, model_revision
     from unimae.corpus import load_passages
     from unimae.encoder import Encoder
     from unimae.index import IndexConfig, VectorIndex
@@ -53,6 +53,7 @@ def _index(args: argparse.Namespace) -> int:
     )
     source = {
         "model": args.model,
+        "model_revision": model_revision(args.model),  # a local folder's weights: a rebuilt folder is not resumed
         "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
         "adapter_revision": adapter_revision(args.adapter),
         "corpus": args.corpus,
