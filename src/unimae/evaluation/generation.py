@@ -201,9 +201,7 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
     model.to(default_device()).eval()
-    lm = _scorer_class(meta["scorer"])(
-        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=meta["max_length"]
-    )
+    lm = scorer(meta["scorer"], model, tokenizer, batch_size, meta["max_length"])
     folder.mkdir(parents=True, exist_ok=True)
     records = {}
     for task in tasks:
@@ -235,15 +233,24 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     return records
 
 
-def _scorer_class(name: str):
-    """The lm-eval model class of scorer ``name`` (see :data:`SCORERS`)."""
+def scorer(name: str, model, tokenizer, batch_size: int, max_length: int):
+    """The lm-eval model of scorer ``name`` (see :data:`SCORERS`) around the loaded ``model``.
+
+    lm-eval's ``HFLM`` calls ``model.tie_weights()`` when it starts. transformers looks tied parameters up by
+    name, and an adapter that trains token rows (peft ``trainable_token_indices``: GEM's summary tokens) has
+    wrapped the embedding, so the lookup fails; the weights were tied when the model loaded (peft's wrapper
+    keeps the tie), so the call is skipped while the scorer starts.
+    """
     if name == "hf":
-        from lm_eval.models.huggingface import HFLM
-
-        return HFLM
-    from unimae.evaluation.lm_eval_model import ScoredLM
-
-    return ScoredLM
+        from lm_eval.models.huggingface import HFLM as scorer_class
+    else:
+        from unimae.evaluation.lm_eval_model import ScoredLM as scorer_class
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.tie_weights = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    try:
+        return scorer_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+    finally:
+        del base.tie_weights
 
 
 def request_cache(folder: Path, task: str, meta: dict) -> Path:
