@@ -24,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from unimae.embedding_spec import EmbeddingSpec
-from unimae.files import atomic_write, atomic_write_json, atomic_write_text
+from unimae.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +205,8 @@ class VectorIndex:
 
 def _read_manifest(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return read_json(path, "index manifest")
+    except ValueError as err:
         raise VectorIndexError(f"{path} is damaged ({err}); rebuild with `unimae index --overwrite`") from err
 
 
