@@ -172,7 +172,7 @@ def test_the_rest_of_a_large_request_is_not_overtaken_forever_by_newer_small_req
         chunks, smalls = [await gate.next_call()], []
         for i in range(3):  # during every chunk a small request arrives that cannot share a chunk with big's rest
             smalls.append(asyncio.create_task(batcher.submit(_texts(f"s{i}", 2, 4))))
-            await _until(lambda: batcher.snapshot()["requests"] == i + 2)
+            await _until(lambda n=i + 2: batcher.snapshot()["requests"] == n)
             gate.release()
             chunks.append(await gate.next_call())
         for _ in range(3):  # the chunk running now and what is left (s1, s2): permits to spare

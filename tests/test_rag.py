@@ -148,7 +148,8 @@ def test_index_and_ask_commands(tiny_model_dirs, tmp_path, capsys):
     capsys.readouterr()
     assert main(["ask", SENTENCES[2], "--index", out, "--json", "--max-new-tokens", "4", "--precision", "fp32"]) == 0
     answer = json.loads(capsys.readouterr().out)
-    assert answer["passages"][0]["id"] == "p2" and answer["cached_prompt_tokens"] > 0
+    assert answer["object"] == "rag.answer" and answer["model"] == tiny  # the layout POST /v1/rag returns
+    assert answer["passages"][0]["id"] == "p2" and answer["usage"]["cached_prompt_tokens"] > 0
     assert main(["ask", "x", "--index", str(tmp_path / "missing")]) == 2
     model = tmp_path / "model"  # a local model folder rebuilt in place is not resumed into the old shards
     shutil.copytree(tiny, model)

@@ -521,7 +521,8 @@ def test_on_too_long_error_refuses_only_inputs_over_max_length(tiny_model_dirs, 
     from unimae.serving.app import create_app
     from unimae.serving.config import ServerConfig
 
-    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=limit, pooling=pooling)
+    tiny = str(tiny_model_dirs["llama"])
+    encoder = Encoder.from_pretrained(tiny, precision="fp32", max_length=limit, pooling=pooling)
     app = create_app(encoder, ServerConfig(model_name="tiny", on_too_long="error"))
     words = LONG.split()
     by_length = {}  # model input length (BOS, text, EOS) -> a text of that length

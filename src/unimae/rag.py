@@ -71,6 +71,26 @@ class RAGAnswer:
     finish_reason: str
     seconds_to_first_token: float | None = None
 
+    def to_json(self, model: str) -> dict:
+        """The ``rag.answer`` object: what ``POST /v1/rag`` returns (both engines) and ``unimae ask --json`` prints."""
+        return {
+            "object": "rag.answer",
+            "model": model,
+            "answer": self.text,
+            "passages": passages_json(self.hits),
+            "finish_reason": self.finish_reason,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "cached_prompt_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens,
+            },
+        }
+
+
+def passages_json(hits: list[Hit]) -> list[dict]:
+    """Retrieved passages as JSON rows (id, text, cosine score), as every RAG answer lists them."""
+    return [{"id": h.id, "text": h.text, "score": h.score} for h in hits]
+
 
 def prompt_tail(tokenizer, query: str, hits: list[Hit], max_passage_tokens: int = 160) -> list[int]:
     """Token ids of the part of the RAG prompt after the query: passages, question, instruction, answer cue.

@@ -36,7 +36,9 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("-k", type=int, default=3, help="Passages to retrieve.")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Tokens of the answer at most.")
     parser.add_argument("--no-kv-reuse", action="store_true", help="Prefill the whole prompt (no query-cache reuse).")
-    parser.add_argument("--json", action="store_true", help="Print the answer and passages as JSON.")
+    parser.add_argument(
+        "--json", action="store_true", help="Print the answer as JSON (the rag.answer object POST /v1/rag returns)."
+    )
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -83,17 +85,7 @@ def _ask(args: argparse.Namespace) -> int:
         else:
             print(item, end="", flush=True)
     if args.json:
-        print(json.dumps(_answer_json(answer), indent=2))
+        print(json.dumps(answer.to_json(args.model or index.manifest.get("model", "unimae")), indent=2))
     else:
         print(f"\n\n({answer.prompt_tokens} prompt tokens, {answer.cached_tokens} from the query's embedding cache)")
     return 0
-
-
-def _answer_json(answer) -> dict:
-    return {
-        "answer": answer.text,
-        "passages": [{"id": h.id, "score": round(h.score, 4), "text": h.text} for h in answer.hits],
-        "prompt_tokens": answer.prompt_tokens,
-        "cached_prompt_tokens": answer.cached_tokens,
-        "completion_tokens": answer.completion_tokens,
-    }

@@ -37,8 +37,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unimae.gguf_export import KEY_PREFIX
-from unimae.index import VectorIndex
-from unimae.rag import prompt_tail
+from unimae.index import Hit, VectorIndex
+from unimae.rag import RAGAnswer, passages_json, prompt_tail
 from unimae.serving.config import ServerConfig
 from unimae.serving.guard import RequestGuard
 from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, EmbeddingRequest, RAGRequest, parse_body
@@ -256,13 +256,12 @@ def create_llamacpp_app(model: LlamaCppModel, config: ServerConfig, index: Vecto
         if len(prompt) + tokens > model.context:
             raise APIError(400, f"the prompt ({len(prompt)} tokens) and {tokens} new tokens exceed the context")
         request_body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": body.stream}
-        passages = [{"id": h.id, "text": h.text, "score": h.score} for h in hits]
         if body.stream:
             return StreamingResponse(
-                _rag_events(model, request_body, passages, config.model_name), media_type="text/event-stream"
+                _rag_events(model, request_body, hits, config.model_name), media_type="text/event-stream"
             )
         reply = await run_in_threadpool(model.complete, request_body)
-        return _rag_answer(config.model_name, reply, passages)
+        return _rag_answer(reply, hits).to_json(config.model_name)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -298,20 +297,17 @@ def _rag_prompt(state: LlamaCppState, query: str, k: int):
     return query_ids, hits, query_ids + prompt_tail(model.tokenizer, query, hits)
 
 
-def _rag_answer(name: str, reply: dict, passages: list[dict]) -> dict:
+def _rag_answer(reply: dict, hits: list[Hit]) -> RAGAnswer:
+    """A llama.cpp completion reply as unimae's RAG answer (usage from its OpenAI-style ``usage``)."""
     choice, usage = reply["choices"][0], reply.get("usage", {})
-    return {
-        "object": "rag.answer",
-        "model": name,
-        "answer": choice["text"],
-        "passages": passages,
-        "finish_reason": choice.get("finish_reason"),
-        "usage": {
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_prompt_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            "completion_tokens": usage.get("completion_tokens"),
-        },
-    }
+    return RAGAnswer(
+        text=choice["text"],
+        hits=hits,
+        prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        completion_tokens=usage.get("completion_tokens"),
+        finish_reason=choice.get("finish_reason"),
+    )
 
 
 async def _generate(handler: Callable, request: dict, name: str) -> dict | StreamingResponse:
@@ -355,9 +351,9 @@ async def _stream(handler: Callable, request: dict, render: Callable[[dict], dic
         await asyncio.shield(worker)
 
 
-async def _rag_events(model: LlamaCppModel, request: dict, passages: list[dict], name: str) -> AsyncIterator[bytes]:
+async def _rag_events(model: LlamaCppModel, request: dict, hits: list[Hit], name: str) -> AsyncIterator[bytes]:
     """``rag.passages``, ``rag.delta`` text pieces, then ``rag.answer`` (as unimae's engine streams RAG)."""
-    yield sse_frame({"object": "rag.passages", "passages": passages})
+    yield sse_frame({"object": "rag.passages", "passages": passages_json(hits)})
     text, last = [], {}
 
     def delta(chunk: dict) -> dict:
@@ -371,7 +367,7 @@ async def _rag_events(model: LlamaCppModel, request: dict, passages: list[dict],
     async for frame in _stream(model.complete, request, delta):
         if frame == sse_frame("[DONE]"):
             reply = {**last, "choices": [{**last.get("choices", [{}])[0], "text": "".join(text)}]}
-            yield sse_frame(_rag_answer(name, reply, passages))
+            yield sse_frame(_rag_answer(reply, hits).to_json(name))
         yield frame
 
 

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from unimae.generation import GenerationParams
 from unimae.index import Hit
-from unimae.rag import RAGAnswer
+from unimae.rag import RAGAnswer, passages_json
 from unimae.serving.schemas import APIError, RAGRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import StateDep
@@ -57,7 +57,7 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
             answer = await run_in_threadpool(_last_answer, run)
         except ValueError as err:
             raise APIError(400, str(err), "query") from err
-    return _answer_body(model, answer)
+    return answer.to_json(model)
 
 
 def _last_answer(run: Callable[[], Iterator[list[Hit] | str | RAGAnswer]]) -> RAGAnswer:
@@ -67,26 +67,7 @@ def _last_answer(run: Callable[[], Iterator[list[Hit] | str | RAGAnswer]]) -> RA
 def _event(model: str, item: list[Hit] | str | RAGAnswer) -> dict:
     """One streamed payload: the retrieved passages, a text piece, or the final answer."""
     if isinstance(item, list):
-        return {"object": "rag.passages", "passages": _passages(item)}
+        return {"object": "rag.passages", "passages": passages_json(item)}
     if isinstance(item, RAGAnswer):
-        return _answer_body(model, item)
+        return item.to_json(model)
     return {"object": "rag.delta", "text": item}
-
-
-def _answer_body(model: str, answer: RAGAnswer) -> dict:
-    return {
-        "object": "rag.answer",
-        "model": model,
-        "answer": answer.text,
-        "passages": _passages(answer.hits),
-        "finish_reason": answer.finish_reason,
-        "usage": {
-            "prompt_tokens": answer.prompt_tokens,
-            "cached_prompt_tokens": answer.cached_tokens,
-            "completion_tokens": answer.completion_tokens,
-        },
-    }
-
-
-def _passages(hits: list[Hit]) -> list[dict]:
-    return [{"id": h.id, "text": h.text, "score": h.score} for h in hits]
