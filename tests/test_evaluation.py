@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -495,6 +496,11 @@ def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp
     run(["piqa"], 3)  # another limit: run again, record replaced
     assert ran == ["arc_easy", "piqa"]
     assert json.loads((tmp_path / "tasks" / "piqa.json").read_text())["n_samples"]["effective"] == 3
+    weights = max((p for p in Path(uniform_lm_dir).iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as if retrained into the same folder
+    run(["piqa"], 3)
+    assert ran == ["arc_easy", "piqa", "piqa"]
 
 
 @needs_data

@@ -30,6 +30,7 @@ def root(tmp_path, monkeypatch):
         "tuned": {"tasks": {"STSBenchmark": 70.0, "SICK-R": 80.0}, "missing": ["Banking77Classification"]},
     }
     (results / "summary.json").write_text(json.dumps(summary))
+    (results / "broken.json").write_text('{"base": {"tasks": ')  # cut off mid-write
     for name, acc in [("base", 0.5), ("tuned", 0.625)]:
         folder = tmp_path / "results" / "gen" / name
         folder.mkdir(parents=True)
@@ -146,6 +147,12 @@ def test_averages_and_generation_sources(root):
     assert run(root, doc) == 0
     assert [line.rsplit("|", 2)[-2].strip() for line in table_of(doc)] == ["avg acc ± SE", "37.50 ± 2.50", "50.00"]
 
+    # a row without one of the tasks (here a registry task the other row ran) averages what it has, marked *
+    scores["mmlu"] = {"acc,none": 0.25, "acc_stderr,none": 0.0}
+    (gen / "tuned" / "generation.json").write_text(json.dumps({"results": scores}))
+    assert run(root, doc) == 0
+    assert [line.rsplit("|", 2)[-2].strip() for line in table_of(doc)] == ["avg acc ± SE", "37.50* ± 2.50", "41.67"]
+
 
 def test_rag_source_lists_the_benchmark_entries(root):
     entry = {"models": "m (embed + generate)", "index_build_s": 70.1, "p50_s": 1.5, "p99_s": 2.0}
@@ -181,6 +188,13 @@ def test_markers_inside_prose_or_indented_are_not_tables(root):
         ("<!-- report: results/dev -->", "\n<!-- /report -->\n", "needs 'labels: [...]' and 'tasks: [...]'"),
         ("<!-- report: results/dev/summary.json\ntasks: SICK-R\n-->", "\n<!-- /report -->\n", "must be a list"),
         ("<!-- report: results/dev/summary.json -->", "\n| no closing marker |\n", "without its closing"),
+        ("<!-- report: results/dev/broken.json -->", "\n<!-- /report -->\n", "broken.json is not valid JSON"),
+        (
+            "<!-- report: averages\nrows: {base: B}\n"
+            "columns: {c: {source: results/dev/summary.json, tasks: SICK-R}}\n-->",
+            "\n<!-- /report -->\n",
+            "'tasks' must be a list",
+        ),
     ],
 )
 def test_bad_markers_name_the_file_line_and_fix(root, capsys, marker, body, message):

@@ -234,10 +234,11 @@ def _record_task_error(name: str, err: Exception, data_dir: Path | None, result_
     return message
 
 
-def same_run(previous: dict, meta: dict) -> bool:
-    """Whether a ``run.json`` was written for the model of ``meta``: every key equal, except that an adapter
-    is known by its content hash (``revision``), not the path it was given by."""
-    defaults = {"attention": "causal"}  # results written before a key existed
+def same_run(previous: dict, meta: dict, defaults: dict | None = None) -> bool:
+    """Whether a record (``run.json``, a generation task's) was written for the model of ``meta``: every key
+    equal, except that an adapter is known by its content hash (``revision``), not the path it was given by.
+    ``defaults``: the value of a key in records written before that key existed."""
+    defaults = {"attention": "causal"} if defaults is None else defaults
     ignored = {"adapter"} if meta.get("revision", "base") != "base" else set()
     return all(previous.get(k, defaults.get(k)) == v for k, v in meta.items() if k not in ignored)
 

@@ -19,7 +19,7 @@ import logging
 import time
 from pathlib import Path
 
-from unimae.files import atomic_write_json
+from unimae.files import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,10 @@ def headline_metric(task: str, metrics: dict) -> str:
     for name in ("acc_norm,none", "acc,none", "exact_match,none", "word_perplexity,none"):
         if name in metrics:
             return name
-    return next(k for k, v in metrics.items() if isinstance(v, (int, float)) and "stderr" not in k)
+    numeric = [k for k, v in metrics.items() if isinstance(v, (int, float)) and "stderr" not in k]
+    if not numeric:
+        raise ValueError(f"no score for generation task {task!r} (its result has no numeric metric)")
+    return numeric[0]
 
 
 def average_accuracy(results: dict[str, dict]) -> tuple[float, float | None, int]:
@@ -139,7 +142,7 @@ def evaluate_generation(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from unimae.adapter import adapter_revision
+    from unimae.adapter import adapter_revision, model_revision
     from unimae.evaluation.embeddings import versions
     from unimae.precision import default_device, resolve_precision
 
@@ -154,6 +157,7 @@ def evaluate_generation(
     resolved = resolve_precision(precision, default_device())
     meta = {
         "model": model_spec,
+        "model_revision": model_revision(model_spec),  # a model folder retrained in place is a new model
         "adapter": adapter,
         "revision": adapter_revision(adapter),
         "limit": limit,
@@ -177,13 +181,19 @@ def evaluate_generation(
 
 
 def finished_tasks(folder: Path, tasks: list[str], meta: dict) -> dict[str, dict]:
-    """The task records in ``folder`` written for this ``meta`` (others are run again and replaced)."""
+    """The task records in ``folder`` written for this ``meta`` (others are run again and replaced).
+
+    As for embeddings (:func:`~unimae.evaluation.embeddings.same_run`), an adapter is matched by its content
+    hash, not its path (``runs/a/adapter`` and ``./runs/a/adapter/`` are one run). Records written before
+    ``model_revision`` existed were all run on registry names or Hub ids, whose revision is None."""
+    from unimae.evaluation.embeddings import same_run
+
     records = {}
     for task in tasks:
         path = folder / f"{task}.json"
         if path.is_file():
-            record = json.loads(path.read_text())
-            if record.get("meta") == meta:
+            record = read_json(path, "generation task record")
+            if same_run(record.get("meta", {}), meta, defaults={"model_revision": None}):
                 records[task] = record
     if records:
         logger.info("generation: %s already evaluated for this model; pass --rerun to redo", sorted(records))

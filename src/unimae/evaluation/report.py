@@ -26,7 +26,8 @@ options. Paths are relative to the repository root. Sources:
 ``generation``
     lm-eval results written by ``unimae evaluate generation``: ``rows: {shown name: .../generation.json}``,
     optional ``tasks``. One column per task with its accuracies (x 100) and perplexities; ``average: true``
-    adds the mean headline accuracy with its standard error (:func:`~unimae.evaluation.generation.average_accuracy`).
+    adds the mean headline accuracy with its standard error (:func:`~unimae.evaluation.generation.average_accuracy`),
+    marked ``*`` when the row lacks one of the tasks (then it is the mean of those it has).
 ``rag``
     The RAG benchmark's entries (``results/rag-benchmark.json``, written by ``benchmarks/load_test.py``):
     one row per ``<model>/<mode>`` entry (``entries: [...]`` picks and orders them; default all) with its
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -60,6 +60,7 @@ import yaml
 from unimae.evaluation import summary
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import SummaryRow, summary_table
+from unimae.files import read_json
 
 # Markers start a line, so a marker quoted inside a sentence or an indented example is left alone.
 OPEN = re.compile(r"^<!--\s*report:(?P<spec>.*?)-->", re.DOTALL | re.MULTILINE)
@@ -146,13 +147,18 @@ def render(marker: Marker, root: Path) -> str:
     unknown = sorted(set(marker.options) - kind)
     if unknown:
         raise ReportError(f"{marker.where()}: unknown report option(s) {unknown}; this source takes {sorted(kind)}")
-    for key in LIST_OPTIONS & set(marker.options):
-        value = marker.options[key]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ReportError(f"{marker.where()}: report option '{key}' must be a list of names, e.g. '{key}: [a, b]'")
+    _check_lists(marker.options, marker)
     table = build(marker, root)
     caption = marker.options.get("caption")
     return f"\n\n{table}\n\n" + (f"{caption}\n\n" if caption else "")
+
+
+def _check_lists(options: dict, marker: Marker) -> None:
+    """ReportError unless every list option in ``options`` is a list of names (a bare name would be split)."""
+    for key in LIST_OPTIONS & set(options):
+        value = options[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ReportError(f"{marker.where()}: report option '{key}' must be a list of names, e.g. '{key}: [a, b]'")
 
 
 @functools.cache
@@ -164,7 +170,10 @@ def task_type(name: str) -> str:
 def _load_json(path: Path, marker: Marker) -> dict:
     if not path.is_file():
         raise ReportError(f"{marker.where()}: {path} does not exist; fix the path (relative to the repository root)")
-    return json.loads(path.read_text())
+    try:
+        return read_json(path, "result file")
+    except ValueError as err:
+        raise ReportError(f"{marker.where()}: {err}") from err
 
 
 def _summary_json(path: Path, marker: Marker) -> dict[str, dict]:
@@ -247,6 +256,7 @@ def _averages(marker: Marker, root: Path) -> str:
         spec = spec if isinstance(spec, dict) else {"source": spec}
         if "source" not in spec or set(spec) - {"source", "tasks", "exclude"}:
             raise ReportError(f"{marker.where()}: an 'averages' column is a PATH.json or {{source, tasks, exclude}}")
+        _check_lists(spec, marker)
         source = root / spec["source"]
         data = _summary_json(source, marker)
         tasks = _select_tasks(spec, _json_tasks(data))
@@ -274,8 +284,12 @@ def _generation(marker: Marker, root: Path) -> str:
     if marker.options.get("average"):
         header.append("avg acc ± SE")
         for line, result in zip(cells, results.values(), strict=True):
-            mean, se, _ = average_accuracy({t: result.get(t, {}) for t in tasks})
-            line.append(f"{mean * 100:.2f}" + (f" ± {se * 100:.2f}" if se is not None else ""))
+            try:
+                mean, se, _ = average_accuracy({t: result[t] for t in tasks if result.get(t)})
+            except ValueError as err:
+                raise ReportError(f"{marker.where()}: {err}") from err
+            incomplete = "*" if any(not result.get(t) for t in tasks) else ""  # as summary tables mark it
+            line.append(f"{mean * 100:.2f}{incomplete}" + (f" ± {se * 100:.2f}" if se is not None else ""))
     return summary._markdown(header, cells)
 
 
