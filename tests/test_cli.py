@@ -190,6 +190,27 @@ def test_evaluate_figures_embeds_the_sample_with_the_base_model(monkeypatch, tin
     np.testing.assert_allclose(panels["base model, eos pooling"], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_evaluate_figures_shows_the_base_untrained_beside_an_adapter_as_it_embeds(
+    monkeypatch, tiny_model_dirs, corpus_file, tmp_path
+):
+    """With an MNTP adapter (bidirectional attention, mean pooling) the base panel is still causal eos."""
+    from unimae.config import TrainConfig
+    from unimae.encoder import Encoder
+    from unimae.trainer import train
+
+    tiny = str(tiny_model_dirs["llama"])
+    run = dict(data=str(corpus_file), steps=1, batch_size=2, micro_batch_size=2, max_length=24, precision="fp32")
+    adapter = train(TrainConfig(model=tiny, method="mntp", output_dir=str(tmp_path / "run"), **run)).adapter_dir
+    monkeypatch.setattr("unimae.evaluation.figures.clustering_sample", lambda data_dir: (SENTENCES[:6], ["a"] * 6))
+    calls = _record(monkeypatch, "unimae.evaluation.figures.tsne_figure", tmp_path / "tsne.png")
+    argv = ["evaluate", "figures", "--model", tiny, "--adapter", str(adapter), "--data-dir", "d"]
+    assert main([*argv, "--output-dir", str(tmp_path), "--precision", "fp32"]) == 0
+    (panels, *_), _ = calls[0]
+    assert list(panels) == ["base model, eos pooling", "adapter, mean pooling"]
+    expected = Encoder.from_pretrained(tiny, pooling="eos", max_length=128, precision="fp32").encode(SENTENCES[:6])
+    np.testing.assert_allclose(panels["base model, eos pooling"], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_evaluate_generation_passes_its_options_and_prints_headline_metrics(monkeypatch, tmp_path, capsys):
     results = {"piqa": {"acc_norm,none": 0.5, "acc,none": 0.25}, "mmlu": {"alias": "mmlu", "acc,none": 0.3}}
     calls = _record(monkeypatch, "unimae.evaluation.generation.evaluate_generation", {"results": results, "seconds": 1})

@@ -587,6 +587,18 @@ def test_compare_writes_both_tables_and_figures(tiny_model_dirs, corpus_file, da
         run_compare(dataclasses.replace(config, adapters=[str(adapter), "elsewhere/run/adapter"]))
 
 
+def test_compare_checks_row_names_and_generation_data_before_loading_a_model(monkeypatch, tmp_path):
+    from unimae.encoder import Encoder
+    from unimae.evaluation.compare import CompareConfig, run_compare
+
+    monkeypatch.setattr(Encoder, "from_pretrained", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    config = CompareConfig(model="m", adapters=["runs/base/adapter"], output_dir=tmp_path, generation=False)
+    with pytest.raises(ValueError, match="share a row name"):  # "base" is the base model's rows
+        run_compare(config)
+    with pytest.raises(FileNotFoundError, match="needs --data-dir"):  # not after hours of embedding rows
+        run_compare(dataclasses.replace(config, adapters=["runs/a/adapter"], generation=True))
+
+
 def test_attention_override_is_recorded_and_changes_the_embeddings(tiny_model_dirs, tmp_path):
     from unimae.evaluation.embeddings import evaluate_embeddings
 

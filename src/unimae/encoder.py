@@ -109,8 +109,12 @@ class Encoder:
 
     def with_pooling(self, pooling: str, **pooling_options) -> Encoder:
         """A view of this encoder (same loaded model) with another pooling."""
+        return self.with_spec(self.spec.with_pooling(pooling, **pooling_options))
+
+    def with_spec(self, spec: EmbeddingSpec) -> Encoder:
+        """A view of this encoder (same loaded model) that embeds by ``spec`` (attention rule and pooling)."""
         view = copy.copy(self)
-        view.spec = self.spec.with_pooling(pooling, **pooling_options)
+        view.spec = spec
         return view
 
     @property

@@ -192,6 +192,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _figures(args: argparse.Namespace) -> int:
+    from unimae.embedding_spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.evaluation.figures import category_bars, clustering_sample, tsne_figure
 
@@ -200,10 +201,10 @@ def _figures(args: argparse.Namespace) -> int:
     encoder = Encoder.from_pretrained(
         args.model, adapter=args.adapter, merge=False, max_length=128, precision=args.precision
     )
-    with encoder.adapter_disabled():
-        panels = {"base model, eos pooling": encoder.encode(texts)}
-    if args.adapter:
-        panels["UniMAE adapter, eos pooling"] = encoder.encode(texts)
+    with encoder.adapter_disabled():  # the base as it embeds untrained: causal attention, eos pooling
+        panels = {"base model, eos pooling": encoder.with_spec(EmbeddingSpec()).encode(texts)}
+    if args.adapter:  # the adapter as it was trained to embed
+        panels[f"adapter, {encoder.spec.pooling} pooling"] = encoder.encode(texts)
     print(f"wrote {tsne_figure(panels, classes, out / 'tsne.png', 'TwentyNewsgroups: 6 largest classes')}")
     if (out / "summary.json").is_file():
         print(f"wrote {category_bars(out / 'summary.json', out / 'categories.png')}")

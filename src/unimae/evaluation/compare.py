@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unimae.evaluation.embeddings import adapter_label, evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
-from unimae.evaluation.generation import HEADLINE_METRIC, evaluate_generation
+from unimae.evaluation.generation import (
+    GENERATION_TASKS,
+    HEADLINE_METRIC,
+    check_generation_data,
+    evaluate_generation,
+)
 from unimae.evaluation.summary import write_summary
 
 
@@ -43,35 +48,83 @@ def generation_table(rows: dict[str, dict]) -> str:
 
 
 def run_compare(config: CompareConfig) -> dict[str, str]:
-    """Evaluate every row; write summary.md/csv, generation.md and figures; return the tables."""
-    from unimae.encoder import Encoder
-    from unimae.evaluation.figures import category_bars, clustering_sample, tsne_figure
+    """Evaluate every row; write summary.md/csv, generation.md and figures; return the tables.
 
+    Everything that can be checked without a model is checked first (row names, the generation data), so a
+    mistake fails before hours of embedding evaluation. One adapter's model is in memory at a time.
+    """
+    from unimae.evaluation.figures import category_bars, tsne_figure
+
+    names = _row_names(config)
+    if config.generation:
+        check_generation_data(config.data_dir, GENERATION_TASKS)
     out = Path(config.output_dir)
     emb_dir = out / "embeddings"
     tasks = expand_tasks(config.tasks)
-    names = [adapter_label(a) for a in config.adapters]
+    sample = _clustering_sample(config.data_dir)
+    labels, panels = _embedding_rows(config, names, tasks, emb_dir, sample and sample[0])
+    _, _, embedding_md = write_summary(emb_dir, labels, tasks)
+    tables = {"embeddings": embedding_md}
+    if sample:
+        tsne_figure(panels, sample[1], out / "tsne.png", "TwentyNewsgroups: 6 largest classes")
+    category_bars(emb_dir / "summary.json", out / "categories.png")
+    if config.generation:
+        rows = {name: _generation_row(config, adapter, out / "generation" / name) for name, adapter in names.items()}
+        tables["generation"] = generation_table(rows)
+        (out / "generation.md").write_text(tables["generation"] + "\n")
+    (out / "tables.json").write_text(json.dumps(tables, indent=2))
+    return tables
+
+
+def _row_names(config: CompareConfig) -> dict[str, str | None]:
+    """{row name: adapter (None for the base)}; ValueError if two rows would share a name."""
+    names = ["base"] + [adapter_label(a) for a in config.adapters]
     if len(set(names)) < len(names):
-        raise ValueError(f"adapters {config.adapters} would share a row name ({names}); use distinct run folders")
-    base = Encoder.from_pretrained(config.model, max_length=config.max_length)
-    encoders = [Encoder.from_pretrained(config.model, adapter=a, max_length=config.max_length) for a in config.adapters]
-    trained = {f"{name}-{enc.pooling}": enc for name, enc in zip(names, encoders, strict=True)}  # its own pooling
-    rows = [(f"base-{p}", None, p, base.with_pooling(p)) for p in config.base_poolings]
-    rows += [(label, a, enc.pooling, enc) for (label, enc), a in zip(trained.items(), config.adapters, strict=True)]
-    labels = []
-    for label, adapter, pooling, encoder in rows:
-        evaluate_embeddings(
-            config.model,
-            tasks,
-            emb_dir,
-            adapter=adapter,
-            pooling=pooling,
-            data_dir=config.data_dir,
-            label=label,
-            batch_size=config.batch_size,
-            encoder=encoder,
+        raise ValueError(
+            f"adapters {config.adapters} would share a row name with each other or the base ({names[1:]}); "
+            "use distinct run folders not named 'base'"
         )
-        labels.append(label)
+    return dict(zip(names, [None, *config.adapters], strict=True))
+
+
+def _clustering_sample(data_dir: Path | None) -> tuple[list[str], list[str]] | None:
+    """The t-SNE figure's texts and classes, or None when the data has no TwentyNewsgroups clustering set."""
+    from unimae.evaluation.figures import CLUSTERING_TASK, clustering_sample
+
+    if data_dir is None or not (Path(data_dir) / "clustering" / CLUSTERING_TASK / "test.jsonl").is_file():
+        return None
+    return clustering_sample(Path(data_dir))
+
+
+def _embedding_rows(
+    config: CompareConfig, names: dict[str, str | None], tasks: list[str], emb_dir: Path, texts: list[str] | None
+) -> tuple[list[str], dict]:
+    """Evaluate the base poolings, each adapter with its own pooling and the reference; (row labels, t-SNE
+    panels: the base's eos and each adapter's embeddings of ``texts``)."""
+    from unimae.encoder import Encoder
+
+    labels, panels = [], {}
+    for name, adapter in names.items():
+        encoder = Encoder.from_pretrained(config.model, adapter=adapter, max_length=config.max_length)
+        poolings = config.base_poolings if adapter is None else (encoder.pooling,)  # an adapter: its own pooling
+        for pooling in poolings:
+            label = f"{name}-{pooling}"
+            evaluate_embeddings(
+                config.model,
+                tasks,
+                emb_dir,
+                adapter=adapter,
+                pooling=pooling,
+                data_dir=config.data_dir,
+                label=label,
+                batch_size=config.batch_size,
+                encoder=encoder.with_pooling(pooling) if adapter is None else encoder,
+            )
+            labels.append(label)
+        if texts:  # the base in its eos view, an adapter as it embeds
+            panel = encoder.with_pooling("eos") if adapter is None else encoder
+            panels["base eos" if adapter is None else f"{name}-{encoder.pooling}"] = panel.encode(texts)
+        del encoder  # one model in memory at a time
     if config.reference:
         from unimae.evaluation.reference import MINILM_LABEL, load_minilm
 
@@ -79,31 +132,8 @@ def run_compare(config: CompareConfig) -> dict[str, str]:
             load_minilm(), tasks, emb_dir, MINILM_LABEL, {"model": MINILM_LABEL}, config.data_dir, config.batch_size
         )
         labels.append(MINILM_LABEL)
-    _, _, embedding_md = write_summary(emb_dir, labels, tasks)
-    tables = {"embeddings": embedding_md}
+    return labels, panels
 
-    if config.data_dir is not None and (Path(config.data_dir) / "clustering").is_dir():
-        texts, classes = clustering_sample(config.data_dir)
-        panels = {"base eos": base.with_pooling("eos").encode(texts)}
-        panels.update({label: enc.encode(texts) for label, enc in trained.items()})
-        tsne_figure(panels, classes, out / "tsne.png", "TwentyNewsgroups: 6 largest classes")
-    category_bars(emb_dir / "summary.json", out / "categories.png")
 
-    if config.generation:
-        rows = {
-            "base": evaluate_generation(
-                config.model, None, out / "generation" / "base", config.data_dir, limit=config.generation_limit
-            )
-        }
-        for adapter in config.adapters:
-            rows[adapter_label(adapter)] = evaluate_generation(
-                config.model,
-                adapter,
-                out / "generation" / adapter_label(adapter),
-                config.data_dir,
-                limit=config.generation_limit,
-            )
-        tables["generation"] = generation_table(rows)
-        (out / "generation.md").write_text(tables["generation"] + "\n")
-    (out / "tables.json").write_text(json.dumps(tables, indent=2))
-    return tables
+def _generation_row(config: CompareConfig, adapter: str | None, out: Path) -> dict:
+    return evaluate_generation(config.model, adapter, out, config.data_dir, limit=config.generation_limit)

@@ -10,9 +10,11 @@ import numpy as np
 
 from unimae.evaluation.summary import CATEGORIES
 
+CLUSTERING_TASK = "TwentyNewsgroupsClustering"  # the paper's t-SNE figure
+
 
 def clustering_sample(
-    data_dir: Path, task: str = "TwentyNewsgroupsClustering", classes: int = 6, per_class: int = 150, seed: int = 0
+    data_dir: Path, task: str = CLUSTERING_TASK, classes: int = 6, per_class: int = 150, seed: int = 0
 ) -> tuple[list[str], list[str]]:
     """Texts and labels of the ``classes`` largest classes of the task's first set (sampled)."""
     with open(Path(data_dir) / "clustering" / task / "test.jsonl", encoding="utf-8") as handle:

@@ -39,6 +39,16 @@ HEADLINE_METRIC = {
 }
 
 
+def check_generation_data(data_dir: Path | None, tasks: list[str]) -> None:
+    """FileNotFoundError unless every local task but ``wiki_heldout`` has its .jsonl files under ``data_dir``."""
+    for name in tasks:
+        if name != "wiki_heldout":
+            if data_dir is None:
+                raise FileNotFoundError(f"generation task {name} needs --data-dir (generation/{name}/ files)")
+            if not list((Path(data_dir) / "generation" / name).glob("*.jsonl")):
+                raise FileNotFoundError(f"generation task {name}: no .jsonl in {Path(data_dir) / 'generation' / name}")
+
+
 def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) -> Path:
     """Render the task YAMLs with absolute data paths into ``target`` (an lm-eval include_path)."""
     from unimae.corpus import enwiki_gensim_paragraphs
@@ -47,13 +57,8 @@ def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) ->
     heldout = target / "wiki_heldout.jsonl"
     if "wiki_heldout" in tasks:
         heldout.write_text("".join(json.dumps({"text": p}) + "\n" for p in enwiki_gensim_paragraphs("heldout")))
+    check_generation_data(data_dir, tasks)
     for name in tasks:
-        if name != "wiki_heldout":
-            if data_dir is None:
-                raise FileNotFoundError(f"generation task {name} needs --data-dir (generation/{name}/ files)")
-            files = list((Path(data_dir) / "generation" / name).glob("*.jsonl"))
-            if not files:
-                raise FileNotFoundError(f"generation task {name}: no .jsonl in {Path(data_dir) / 'generation' / name}")
         template = (LM_TASKS_DIR / f"unimae_{name}.yaml").read_text()
         rendered = template.replace("@DATA_DIR@", str(Path(data_dir or ".").resolve() / "generation"))
         rendered = rendered.replace("@HELDOUT_FILE@", str(heldout.resolve()))
