@@ -1,12 +1,13 @@
 """What makes two evaluation runs "the same model" (so results are reused), and bad labels and data lines."""
 
+import json
 import os
 
 import pytest
 
 from unimae.adapter import model_revision
 from unimae.evaluation.embeddings import same_run
-from unimae.evaluation.local_data import LocalDataError, load_pair_classification, read_jsonl
+from unimae.evaluation.local_data import LocalDataError, load_pair_classification, load_retrieval, read_jsonl
 from unimae.evaluation.summary import row_folder, task_type
 
 META = {"model": "m", "adapter": "runs/x/adapter", "revision": "abc", "pooling": "eos", "data_dir": "d"}
@@ -43,6 +44,18 @@ def test_local_data_lines_that_are_not_objects_or_have_bad_labels(tmp_path):
         list(read_jsonl(path, ("text",), "T"))
     folder = tmp_path / "pairs"
     folder.mkdir()
-    (folder / "test.jsonl").write_text('{"sentence1": "a", "sentence2": "b", "label": "yes"}' + os.linesep)
-    with pytest.raises(LocalDataError, match="expected an integer, got 'yes'"):
-        load_pair_classification(folder, "T", ["test"])
+    good = '{"sentence1": "a", "sentence2": "b", "label": 1}' + os.linesep
+    for label in ("yes", 0.9, 2):  # 0.9 was truncated to 0, 2 accepted
+        (folder / "test.jsonl").write_text(good + json.dumps({"sentence1": "a", "sentence2": "b", "label": label}))
+        with pytest.raises(LocalDataError, match=r"test.jsonl, line 2: label must be 0 or 1, got"):
+            load_pair_classification(folder, "T", ["test"])
+    (folder / "test.jsonl").write_text(good + '{"sentence1": "c", "sentence2": "d", "label": "0"}')
+    assert load_pair_classification(folder, "T", ["test"])["test"]["labels"] == [1, 0]
+
+
+def test_retrieval_qrels_skip_blank_lines_and_keep_quotes_in_ids(tmp_path):
+    for name, rows in {"corpus": [("d1", "x"), ('d"2', "y")], "queries": [("q1", "z")]}.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in rows))
+    (tmp_path / "qrels").mkdir()
+    (tmp_path / "qrels" / "test.tsv").write_text('query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td"2\t1\n\n')
+    assert load_retrieval(tmp_path, "T", ["test"])["test"]["relevant_docs"] == {"q1": {"d1": 1, 'd"2': 1}}

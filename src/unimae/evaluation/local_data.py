@@ -80,6 +80,13 @@ def as_int(value, where: str) -> int:
         raise LocalDataError(f"{where}: expected an integer, got {value!r}") from err
 
 
+def _binary_label(value, where: str) -> int:
+    """A pair-classification label: 0 or 1 (also as "0"/"1" or true/false), else a LocalDataError."""
+    if (value in (0, 1) and not isinstance(value, float)) or value in ("0", "1"):
+        return int(value)
+    raise LocalDataError(f"{where}: label must be 0 or 1, got {value!r}")
+
+
 def _columns(rows: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list]:
     return {name: [row[name] for row in rows] for name in names}
 
@@ -121,11 +128,12 @@ def load_clustering(folder: Path, task_name: str, splits: list[str]) -> dict[str
 def load_pair_classification(folder: Path, task_name: str, splits: list[str]) -> dict[str, dict[str, list]]:
     out = {}
     for split in splits:
-        rows = list(read_jsonl(folder / f"{split}.jsonl", ("sentence1", "sentence2", "label"), task_name))
+        path = folder / f"{split}.jsonl"
+        rows = list(read_jsonl(path, ("sentence1", "sentence2", "label"), task_name))
         out[split] = {
             "sentence1": [r["sentence1"] for r in rows],
             "sentence2": [r["sentence2"] for r in rows],
-            "labels": [as_int(r["label"], f"{task_name}: {split}.jsonl label") for r in rows],
+            "labels": [_binary_label(r["label"], f"{task_name}: {path}, line {n}") for n, r in enumerate(rows, 1)],
         }
     return out
 
@@ -140,9 +148,9 @@ def load_retrieval(folder: Path, task_name: str, splits: list[str]) -> dict[str,
             raise LocalDataError(f"{task_name}: missing file {qrels_path}")
         relevant: dict[str, dict[str, int]] = {}
         with open(qrels_path, encoding="utf-8") as handle:
-            reader = csv.reader(handle, delimiter="\t")
+            reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)  # an id may contain a quote
             for number, row in enumerate(reader, start=1):
-                if number == 1 and row and row[0] == "query-id":
+                if not row or number == 1 and row[0] == "query-id":  # a blank line or the header
                     continue
                 if len(row) != 3:
                     raise LocalDataError(
