@@ -110,6 +110,17 @@ def test_summary_options_select_rename_and_recompute(root):
     assert "\nScores x 100.\n\n<!-- /report -->" in doc.read_text()
 
 
+def test_a_task_failed_as_the_summary_recorded_it(root):
+    """A LABEL=FOLDER row keeps its error file in its own folder: the summary's "failed" is what counts."""
+    path = root / "results" / "dev" / "summary.json"
+    data = json.loads(path.read_text())
+    data["tuned"]["failed"] = ["Banking77Classification"]
+    path.write_text(json.dumps(data))
+    doc = write_doc(root, "<!-- report: results/dev/summary.json\ncolumns: [Banking77Classification]\n-->")
+    assert run(root, doc) == 0
+    assert table_of(doc)[1:] == ["| base | 60.00 |", "| tuned | failed |"]
+
+
 def test_averages_and_generation_sources(root):
     averages = (
         "<!-- report: averages\n"

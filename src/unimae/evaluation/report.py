@@ -199,7 +199,10 @@ def _row_from_summary(label: str, entry: dict, tasks: list[str], folder: Path, t
     """A :class:`SummaryRow` from one label of a summary JSON, over ``tasks``."""
     scores = {t: entry["tasks"][t] for t in tasks if t in entry["tasks"]}
     missing = [t for t in tasks if t not in scores]
-    failed = [t for t in missing if (folder / label / f"{t}.error.json").is_file()]
+    if "failed" in entry:  # as the summary recorded it (a LABEL=FOLDER row's errors are in its own folder)
+        failed = [t for t in missing if t in entry["failed"]]
+    else:  # summaries written before "failed" was recorded
+        failed = [t for t in missing if (folder / label / f"{t}.error.json").is_file()]
     types = {t: task_type(t) if typed else "" for t in tasks}
     return SummaryRow(label, scores, types, missing, failed)
 

@@ -149,6 +149,8 @@ def write_summary(
     table = io.StringIO(newline="")
     csv.writer(table).writerows([header, *cells])
     atomic_write_text(csv_path, table.getvalue())
-    payload = {r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing} for r in rows}
+    payload = {
+        r.label: {"tasks": r.task_scores, "average": r.average, "missing": r.missing, "failed": r.failed} for r in rows
+    }
     atomic_write_json(results_dir / f"{name}.json", payload)
     return md_path, csv_path, markdown
