@@ -137,13 +137,18 @@ def export(
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --output directory")
-    out.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")  # built here and renamed into place once complete, so a
+    shutil.rmtree(partial, ignore_errors=True)  # failed export leaves nothing at `out` and can simply be rerun
+    partial.mkdir(parents=True)
     if fmt == "hf":
-        save_merged(model, adapter, out)
-        atomic_write_json(out / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
+        save_merged(model, adapter, partial)
+        atomic_write_json(partial / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
     else:
-        _save_sentence_transformers(model, adapter, out, spec, max_length)
-    (out / "README.md").write_text(_model_card(model, adapter, fmt, spec))
+        _save_sentence_transformers(model, adapter, partial, spec, max_length)
+    (partial / "README.md").write_text(_model_card(model, adapter, fmt, spec))
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    partial.rename(out)
     return out
 
 
@@ -153,6 +158,7 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     transformer_dir = out / "_transformer"
     merged, tokenizer = merged_model(model, adapter)
     merged.save_pretrained(transformer_dir)
+    del merged  # sentence-transformers loads its own copy from the folder
     if spec.pooling == "eos":
         append_eos_post_processor(tokenizer)
     tokenizer.padding_side = "right"
