@@ -101,14 +101,14 @@ def test_a_model_whose_adapter_trains_token_rows_can_be_scored(name):
 
     from peft import LoraConfig, get_peft_model
 
-    from unimae.evaluation.generation import scorer
+    from unimae.evaluation.generation import build_scorer
 
     tokenizer = build_tokenizer(add_bos=True, with_mask=True)
     model = build_model("llama", len(tokenizer))
     assert model.config.tie_word_embeddings
     rows = {"embed_tokens": [len(tokenizer) - 1]}
     adapted = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", trainable_token_indices=rows))
-    lm = scorer(name, adapted, tokenizer, batch_size=2, max_length=24)
+    lm = build_scorer(name, adapted, tokenizer, batch_size=2, max_length=24)
     with torch.no_grad():
         answers = lm._loglikelihood_tokens(_requests(tokenizer)[:4], disable_tqdm=True)
     assert all(math.isfinite(lp) and lp < 0 for lp, _ in answers)

@@ -103,7 +103,8 @@ def adapter_stages(adapter: Path) -> list[Path]:
 def low_rank_pairs(model, adapter: Path) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
     """{Hugging Face weight name: [(A (r, n_in), gamma * B (n_out, r)) per stage]} of ``adapter`` on ``model``
     (float32). ValueError for an adapter that is not low-rank pairs on linear weights. ``model`` is consumed:
-    each stage is attached (with the stages before it merged, as it was trained) and unloaded again."""
+    each stage is attached to the base in turn and unloaded again (only its A and B are read, so the stages
+    before it need not be merged in)."""
     from peft.tuners.lora import Linear, LoraLayer
 
     pairs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}

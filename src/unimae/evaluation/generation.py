@@ -216,7 +216,7 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
     model.to(default_device()).eval()
-    lm = scorer(meta["scorer"], model, tokenizer, batch_size, meta["max_length"])
+    lm = build_scorer(meta["scorer"], model, tokenizer, batch_size, meta["max_length"])
     folder.mkdir(parents=True, exist_ok=True)
     records = {}
     for task in tasks:
@@ -248,7 +248,7 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     return records
 
 
-def scorer(name: str, model, tokenizer, batch_size: int, max_length: int):
+def build_scorer(name: str, model, tokenizer, batch_size: int, max_length: int):
     """The lm-eval model of scorer ``name`` (see :data:`SCORERS`) around the loaded ``model``.
 
     lm-eval's ``HFLM`` calls ``model.tie_weights()`` when it starts. transformers looks tied parameters up by

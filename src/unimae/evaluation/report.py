@@ -238,7 +238,7 @@ def _summary(marker: Marker, root: Path) -> str:
     if options.get("columns"):
         keep = [0] + [header.index(c) for c in _pick(options["columns"], header[1:], "columns", source, marker)]
         header, cells = [header[i] for i in keep], [[line[i] for i in keep] for line in cells]
-    return summary._markdown(header, cells)
+    return summary.markdown_table(header, cells)
 
 
 def _folder_labels(labels: list[str], folder: Path, marker: Marker) -> list[str]:
@@ -265,8 +265,8 @@ def _averages(marker: Marker, root: Path) -> str:
         tasks = _select_tasks(spec, _json_tasks(data))
         for line, label in zip(cells, _pick(list(rows), list(data), "rows", source, marker), strict=True):
             row = _row_from_summary(label, data[label], tasks, source.parent, typed=False)
-            line.append(summary._fmt(row.average, bool(row.missing)))
-    return summary._markdown(["method", *columns], cells)
+            line.append(summary.format_score(row.average, bool(row.missing)))
+    return summary.markdown_table(["method", *columns], cells)
 
 
 def _generation(marker: Marker, root: Path) -> str:
@@ -293,7 +293,7 @@ def _generation(marker: Marker, root: Path) -> str:
                 raise ReportError(f"{marker.where()}: {err}") from err
             incomplete = "*" if any(not result.get(t) for t in tasks) else ""  # as summary tables mark it
             line.append(f"{mean * 100:.2f}{incomplete}" + (f" ± {se * 100:.2f}" if se is not None else ""))
-    return summary._markdown(header, cells)
+    return summary.markdown_table(header, cells)
 
 
 def _generation_value(task_result: dict, metric: str) -> str:
@@ -309,7 +309,7 @@ def _rag(marker: Marker, root: Path) -> str:
     entries = _pick(marker.options.get("entries"), list(data), "entries", source, marker)
     header = ["entry", *RAG_COLUMNS.values()]
     cells = [[key, *(str(data[key].get(field, "-")) for field in RAG_COLUMNS)] for key in entries]
-    return summary._markdown(header, cells)
+    return summary.markdown_table(header, cells)
 
 
 # Sources named by a word -> (their options, their table); any other source is a summary JSON or a folder.

@@ -39,8 +39,15 @@ class SummaryRow:
         incomplete = any(self.task_types.get(t) == category for t in self.missing)
         return (sum(scores) / len(scores) if scores else None), incomplete
 
+    def cell(self, task: str) -> str:
+        """``task``'s table cell: its score, or why there is none."""
+        if task in self.missing:
+            return "failed" if task in self.failed else "not run"
+        return format_score(self.task_scores.get(task))
+
     @property
     def average(self) -> float | None:
+        """Mean over the tasks that were scored (a table marks it ``*`` when ``missing`` is not empty)."""
         return sum(self.task_scores.values()) / len(self.task_scores) if self.task_scores else None
 
 
@@ -88,7 +95,8 @@ def read_row(folder: Path, tasks: list[str], label: str | None = None) -> Summar
     return SummaryRow(label or folder.name, scores, types, missing, failed)
 
 
-def _fmt(value: float | None, incomplete: bool = False) -> str:
+def format_score(value: float | None, incomplete: bool = False) -> str:
+    """A score as a table shows it: 2 decimals, ``*`` when averaged over an incomplete set, ``-`` for none."""
     if value is None:
         return "-"
     return f"{value:.2f}{'*' if incomplete else ''}"
@@ -102,12 +110,9 @@ def summary_table(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
     cells = []
     for row in rows:
         line = [row.label]
-        line += [_fmt(*row.category(c)) for c, _ in present]
-        line.append(_fmt(row.average, bool(row.missing)))
-        line += [
-            _fmt(row.task_scores.get(t)) if t not in row.missing else ("failed" if t in row.failed else "not run")
-            for t in tasks
-        ]
+        line += [format_score(*row.category(c)) for c, _ in present]
+        line.append(format_score(row.average, bool(row.missing)))
+        line += [row.cell(t) for t in tasks]
         line.append(", ".join(row.missing))
         cells.append(line)
     return header, cells
@@ -115,7 +120,7 @@ def summary_table(rows: list[SummaryRow]) -> tuple[list[str], list[list[str]]]:
 
 def summary_markdown(results_dir: Path, labels: list[str], tasks: list[str]) -> str:
     """The Markdown table of ``labels`` (rows) on ``tasks``, written nowhere."""
-    return _markdown(*summary_table(read_rows(results_dir, labels, tasks)))
+    return markdown_table(*summary_table(read_rows(results_dir, labels, tasks)))
 
 
 def read_rows(results_dir: Path, labels: list[str], tasks: list[str]) -> list[SummaryRow]:
@@ -127,7 +132,8 @@ def read_rows(results_dir: Path, labels: list[str], tasks: list[str]) -> list[Su
     return rows
 
 
-def _markdown(header: list[str], cells: list[list[str]]) -> str:
+def markdown_table(header: list[str], cells: list[list[str]]) -> str:
+    """A GitHub Markdown table of ``header`` and rows of ``cells``."""
     return "\n".join(
         ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         + ["| " + " | ".join(line) + " |" for line in cells]
@@ -141,7 +147,7 @@ def write_summary(
     elsewhere); return the first two and the Markdown."""
     rows = read_rows(results_dir, labels, tasks)
     header, cells = summary_table(rows)
-    markdown = _markdown(header, cells)
+    markdown = markdown_table(header, cells)
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     md_path, csv_path = results_dir / f"{name}.md", results_dir / f"{name}.csv"
