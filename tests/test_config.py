@@ -37,6 +37,18 @@ def test_paper_recipe_then_file_then_flags(tmp_path):
     assert (config.batch_size, config.max_length, config.p_mar) == (32, 256, 0.4)
 
 
+def test_paper_recipe_gives_in_batch_methods_the_whole_batch_as_negatives(caplog):
+    """GEM and SimCSE contrast within a micro-batch: the paper's 31 negatives need one micro-batch of 32."""
+    gem = resolve_config(_parse(["--recipe", "paper", "--method", "gem"]))
+    assert (gem.batch_size, gem.micro_batch_size) == (32, 32)
+    assert resolve_config(_parse(["--recipe", "paper"])).micro_batch_size == 8  # UniMAE: per-example losses
+    chosen = resolve_config(_parse(["--recipe", "paper", "--method", "gem", "--micro-batch-size", "16"]))
+    assert chosen.micro_batch_size == 16  # an explicit flag still wins
+    with caplog.at_level("WARNING", logger="unimae.config"):
+        chosen.validate()
+    assert "15 negatives per text, not the 31 of the whole batch" in caplog.text
+
+
 def test_yaml_config_and_bool_flags(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("steps: 7\nmerge: true\n")

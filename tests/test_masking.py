@@ -22,7 +22,7 @@ def test_mrc_hidden_share_matches_p_mrc():
 
 def test_mar_never_masks_bos_or_eos_and_rate_matches():
     ids = [1] + list(range(10, 1010)) + [2]
-    out = mar_corrupt(ids, p_mar=0.5, mask_id=99, has_bos=True, gen=example_generator(0, 0))
+    out = mar_corrupt(ids, p_mar=0.5, mask_id=99, keep_first=True, gen=example_generator(0, 0))
     assert out[0] == 1 and out[-1] == 2
     masked = sum(o == 99 for o in out[1:-1]) / 1000
     assert 0.45 < masked < 0.55

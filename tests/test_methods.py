@@ -126,18 +126,20 @@ def test_mntp_then_simcse_keeps_bidirectional_mean(tiny_model_dirs, small_corpus
     assert (enc.attention, enc.pooling) == ("bidirectional", "mean")
 
 
-def test_mntp_collator_masks_only_inner_tokens_and_targets_them(tiny_model_dirs):
-    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # with and without a BOS
+def test_mntp_collator_masks_only_inner_tokens_and_targets_them(tiny_model_dirs, arch):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs[arch]))
     config = TrainConfig(method="mntp", mntp_p_mask=0.5, max_length=32)
-    ctx = Context(tokenizer, tokenizer.mask_token_id, EmbeddingSpec())
+    mask_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else 5
+    ctx = Context(tokenizer, mask_id, EmbeddingSpec())
     batch = get_method("mntp")(config, ctx).collate(SENTENCES[:4], [0, 1, 2, 3])
     changed = batch["corrupted_ids"] != batch["input_ids"]
     assert torch.equal(changed, batch["targets"]) and changed.any()
-    assert (batch["corrupted_ids"][changed] == tokenizer.mask_token_id).all()
+    assert (batch["corrupted_ids"][changed] == mask_id).all()
     real = batch["attention_mask"].bool()
     lengths = real.sum(1)
-    for row, n in enumerate(lengths.tolist()):
-        assert not changed[row, 0] and not changed[row, n - 1], "BOS and EOS are never masked"
+    for row, n in enumerate(lengths.tolist()):  # the first token has no position before it to predict it from
+        assert not changed[row, 0] and not changed[row, n - 1], "the first token and EOS are never masked"
 
 
 def test_gem_collator_inserts_summary_tokens_in_some_rows(tiny_model_dirs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 from unimae.files import atomic_write_json
 from unimae.pooling import POOLINGS
 from unimae.precision import PRECISIONS
+
+logger = logging.getLogger(__name__)
 
 DROPOUT_PLACES = ("attention", "lora")
 
@@ -37,6 +40,13 @@ RECIPES: dict[str, dict[str, Any]] = {
         "gem_contrastive_lr_scale": 0.1,  # GEM's paper: 1e-5 after 1e-4 (full fine-tuning)
     },
 }
+
+
+# Methods whose InfoNCE negatives are the other texts of the micro-batch. The papers contrast each text with
+# the rest of the whole batch (GEM: 31 negatives in a batch of 32), so --recipe paper gives these methods one
+# micro-batch per step (micro_batch_size = batch_size); `contrastive` gets a large batch from its gradient cache.
+IN_BATCH_NEGATIVES = ("simcse", "contrastive", "gem")
+FULL_BATCH_IN_RECIPE = {"paper": ("simcse", "gem")}
 
 
 def choice_field(default: str, choices, help_text: str):
@@ -311,7 +321,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
         if not 0.0 < self.mntp_p_mask < 1.0:
             raise ValueError(f"mntp_p_mask must be in (0, 1), got {self.mntp_p_mask}")
-        if self.method in ("simcse", "contrastive", "gem") and self.micro_batch_size < 2:
+        if self.method in IN_BATCH_NEGATIVES and self.micro_batch_size < 2:
             raise ValueError(
                 f"--method {self.method} contrasts each text with the others in its micro-batch; "
                 f"micro_batch_size must be >= 2, got {self.micro_batch_size}"
@@ -345,6 +355,16 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
             raise ValueError(
                 f"batch_size {self.batch_size} is not a multiple of micro_batch_size x processes "
                 f"({self.micro_batch_size} x {world_size}); change --batch-size or --micro-batch-size"
+            )
+        cached = self.method == "contrastive" and self.grad_cache_chunk > 0
+        if self.method in IN_BATCH_NEGATIVES and self.micro_batch_size < self.batch_size and not cached:
+            logger.warning(
+                "--method %s contrasts each text with the others in its micro-batch: %d negatives per text, not "
+                "the %d of the whole batch; --micro-batch-size %d gives the papers' in-batch negatives (more memory)",
+                self.method,
+                self.micro_batch_size - 1,
+                self.batch_size - 1,
+                self.batch_size,
             )
         return self.batch_size // per_step
 
@@ -457,4 +477,7 @@ def resolve_config(args: argparse.Namespace | dict[str, Any]) -> TrainConfig:
     values: dict[str, Any] = {**RECIPES[recipe], **from_file}
     values.update({k: v for k, v in given.items() if k in known})
     values["recipe"] = recipe
+    chosen = "micro_batch_size" in from_file or given.get("micro_batch_size") is not None
+    if values.get("method", TrainConfig.method) in FULL_BATCH_IN_RECIPE.get(recipe, ()) and not chosen:
+        values["micro_batch_size"] = values.get("batch_size", TrainConfig.batch_size)
     return TrainConfig(**values)

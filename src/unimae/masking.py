@@ -26,12 +26,13 @@ def example_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
 
 
-def mar_corrupt(ids: Sequence[int], p_mar: float, mask_id: int, has_bos: bool, gen: torch.Generator) -> list[int]:
-    """Eq. 1 input corruption of one text (EOS last). BOS (if present) and EOS are never masked."""
+def mar_corrupt(ids: Sequence[int], p_mar: float, mask_id: int, keep_first: bool, gen: torch.Generator) -> list[int]:
+    """Eq. 1 input corruption of one text (EOS last). EOS is never masked, nor the first token when
+    ``keep_first`` (UniMAE: a BOS; MNTP: always, since no position before it could predict it)."""
     ids_t = torch.tensor(ids, dtype=torch.long)  # (N,)
     replace = torch.rand(len(ids), generator=gen) < p_mar  # (N,)
     replace[-1] = False  # the appended EOS
-    if has_bos:
+    if keep_first:
         replace[0] = False
     return torch.where(replace, torch.full_like(ids_t, mask_id), ids_t).tolist()
 

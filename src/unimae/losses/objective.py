@@ -1,10 +1,11 @@
 """The contract of a training objective: an nn.Module from a :class:`~unimae.batch.Batch` to named losses.
 
 ``forward(batch)`` returns a dict of scalars: ``"loss"`` (what is back-propagated, a mean over the
-micro-batch's examples so accumulation and processes do not change the update) plus detached parts for
-the log (``"mar"``, ``"mrc"``, ...). The trainer calls ``set_step(step)`` before every optimizer step;
-objectives with a schedule over steps (GEM's NTP -> contrastive switch) override it. An objective owns
-its auxiliary heads (the MRC tiny decoder): saving the LLM never writes them.
+micro-batch's examples so accumulation and processes do not change the update of a per-example loss; an
+InfoNCE loss contrasts the texts of one micro-batch, so there the micro-batch size sets the negatives)
+plus detached parts for the log (``"mar"``, ``"mrc"``, ...). The trainer calls ``set_step(step)`` before
+every optimizer step; objectives with a schedule over steps (GEM's NTP -> contrastive switch) override it.
+An objective owns its auxiliary heads (the MRC tiny decoder): saving the LLM never writes them.
 
 An objective that must run its own backward passes (a gradient cache: embed the whole batch without a
 graph, take the loss's gradient w.r.t. the embeddings, then re-run each mini-batch with grad) sets

@@ -8,7 +8,7 @@ from __future__ import annotations
 from unimae.batch import Batch
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.masking import example_generator, mar_corrupt
-from unimae.methods.base import Method, has_bos, pad_right
+from unimae.methods.base import Method, pad_right
 from unimae.methods.registry import register_method
 from unimae.tokenization import encode_with_eos
 
@@ -27,8 +27,10 @@ class MNTP(Method):
     def collate(self, texts, indices) -> Batch:
         tok, c = self.ctx.tokenizer, self.config
         rows = encode_with_eos(tok, texts, c.max_length, warn=False)
+        # token i is predicted from the output at i - 1, so the first token (BOS or not) is never masked: a
+        # masked first token would only corrupt the context, with no prediction of it to learn from
         corrupted = [
-            mar_corrupt(ids, c.mntp_p_mask, self.ctx.mask_id, has_bos(tok, ids), example_generator(c.seed, index))
+            mar_corrupt(ids, c.mntp_p_mask, self.ctx.mask_id, True, example_generator(c.seed, index))
             for ids, index in zip(rows, indices, strict=True)
         ]
         ids, mask = pad_right(rows, tok.pad_token_id)
