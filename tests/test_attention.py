@@ -2,7 +2,14 @@
 
 import torch
 
-from unimae.attention import bidirectional_allowed, causal_allowed, gem_allowed, model_attention_mask, to_model_mask
+from unimae.attention import (
+    bidirectional_allowed,
+    causal_allowed,
+    gem_allowed,
+    model_attention_mask,
+    sliding_window,
+    to_model_mask,
+)
 from unimae.models import load_model
 
 
@@ -49,3 +56,25 @@ def test_models_follow_4d_masks(tiny_dir):
     with torch.no_grad():
         eager = decoder(input_ids=ids, attention_mask=model_attention_mask("bidirectional", mask, model))
     torch.testing.assert_close(eager.last_hidden_state[real], bi[real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_ready_mask_keeps_sliding_window_layers_windowed(tiny_dir):
+    """Gemma-3's sliding layers (window 8 in the tiny model) skip their window for a ready 4D mask, so a mask
+    over more tokens than the window must carry it: causal as a 4D mask equals the model's own causal mask."""
+    model, _, _ = load_model(str(tiny_dir))
+    torch.manual_seed(0)
+    ids = torch.randint(3, 60, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[0, 15:] = 0
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        plain = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        causal = decoder(input_ids=ids, attention_mask=to_model_mask(causal_allowed(mask), model)).last_hidden_state
+        gem = model_attention_mask("gem", mask, model, summary=torch.zeros_like(mask, dtype=torch.bool))
+        no_summary = decoder(input_ids=ids, attention_mask=gem).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(causal[real], plain[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(no_summary[real], plain[real], rtol=1e-4, atol=1e-4)
+    if sliding_window(model) is not None:  # the sliding layers' mask: nothing 8 or more positions away
+        sliding = model_attention_mask("bidirectional", mask, model)["sliding_attention"][1, 0]
+        assert sliding[19, 12] and not sliding[19, 11] and sliding[0, 7] and not sliding[0, 8]

@@ -1,7 +1,10 @@
 """Attention-mask rules as explicit (B, T, T) tensors, handed to any transformers model as a 4D mask.
 
 transformers passes a ready 4D ``attention_mask`` straight to the attention implementation, for every
-architecture (Llama, Gemma3 and its sliding layers, Qwen2 ...), so a rule here needs no per-model code:
+architecture (Llama, Gemma3, Qwen2 ...), so a rule here needs no per-model code, with one exception: a ready
+mask also bypasses the window of sliding-window layers (Gemma-3: 512 tokens), so for a model with such
+layers and a sequence longer than the window :func:`to_model_mask` gives one mask per layer type (a dict,
+which those models take), the window applied to the sliding layers' mask by position distance.
 
 - ``causal``: the model's own mask (nothing is built; the 2D padding mask is passed through);
 - ``bidirectional`` (LLM2Vec/MNTP): every real token sees every real token;
@@ -65,10 +68,33 @@ def branches_allowed(segments: torch.Tensor) -> torch.Tensor:
     return tril[None] & (query >= 0) & ((key == 0) | (key == query))  # (B, T, T)
 
 
-def to_model_mask(allowed: torch.Tensor, model) -> torch.Tensor:
-    """(B, T, T) bool -> the 4D mask the model's attention implementation takes: (B, 1, T, T)."""
+def to_model_mask(
+    allowed: torch.Tensor, model, positions: torch.Tensor | None = None
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """(B, T, T) bool -> the 4D mask the model's attention implementation takes: (B, 1, T, T); for a model
+    with sliding-window layers and T over the window, ``{"full_attention": mask, "sliding_attention": mask}``
+    where the sliding mask also hides keys whose position is ``window`` or more away from the query's
+    (``positions`` (B, T): the rows' position ids, default 0..T-1; packed rows restart them per branch)."""
     t = allowed.shape[1]
     allowed = allowed | torch.eye(t, dtype=torch.bool, device=allowed.device)[None]  # no empty rows
+    window = sliding_window(model)
+    if window is None or t <= window:
+        return _kernel_mask(allowed, model)
+    pos = positions if positions is not None else torch.arange(t, device=allowed.device)[None]  # (B or 1, T)
+    near = (pos[:, :, None] - pos[:, None, :]).abs() < window  # (B or 1, T, T)
+    return {"full_attention": _kernel_mask(allowed, model), "sliding_attention": _kernel_mask(allowed & near, model)}
+
+
+def sliding_window(model) -> int | None:
+    """The window of ``model``'s sliding-window layers (transformers' ``config.layer_types``), None without."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _kernel_mask(allowed: torch.Tensor, model) -> torch.Tensor:
+    """(B, T, T) bool -> (B, 1, T, T): bool for SDPA and the like, additive float for eager."""
     implementation = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     if implementation == "eager":  # eager adds the mask to the scores
         additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)

@@ -150,7 +150,8 @@ class ScoredLM(HFLM):
         Rows of single requests need no mask (right padding is invisible to a causal model)."""
         mask = None
         if segments.max() > 1:  # a packed row: its continuations must not see each other
-            mask = to_model_mask(branches_allowed(segments), self.model).to(self.device)
+            segments, positions = segments.to(self.device), position_ids.to(self.device)
+            mask = to_model_mask(branches_allowed(segments), self.model, positions=positions)
         with torch.no_grad():
             return self.model.get_decoder()(
                 input_ids=input_ids.to(self.device),
