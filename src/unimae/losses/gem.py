@@ -10,6 +10,11 @@
   last-layer states, the block appended at the end as at inference), anchor i against the B positives, with
   a learnable logit scale ``s``: ``logits = s * cos(a_i, c_j)``, ``s = exp(log_scale)`` starting at
   ``1 / temperature`` (20) and clamped to at most ``max_logit_scale`` (100), as CLIP (Radford et al. 2021).
+  "CLIP-style" is read as the learnable, clamped scale only: the loss runs one way, each anchor against the
+  positives (our choice; CLIP also averages the positives-against-anchors direction, which the paper does not
+  state).
+- The prefix includes BOS: suffix tokens cannot see it either (METHOD.md's rule read literally; the suffix
+  then has no attention-sink token and attends to the summary block and itself).
 """
 
 from __future__ import annotations

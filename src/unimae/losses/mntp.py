@@ -3,6 +3,11 @@
 A share of input tokens is replaced by the mask token; with every token seeing every other, the
 state at position i - 1 predicts the ORIGINAL token i, scored only where token i was masked:
 ``L_MNTP = mean_b mean_{i masked} CE(x_i | h_{i-1})``.
+
+Two choices the papers leave to us: every chosen token becomes the mask token (no BERT-style 80/10/10
+split of mask / random / kept), and the loss is a mean per text, then over texts (each text weighs the
+same, however many of its tokens were masked; a text with none masked adds 0), where a mean over all
+masked tokens of the batch would weigh long texts more.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ The tiny decoder rebuilds the ORIGINAL tokens from ``h_eos``:
 - keys/values ``H2 = [h_eos, e_{x_1} + p_1, ..., e_{x_N} + p_N]``           (Eq. 3)
 - attention restricted by the Bernoulli mask M of ``unimae.masking``         (Eq. 4)
 - logits through the LLM's output head; ``L_MRC = sum_i CE(x_i | ...)``     (Eq. 5)
-Token embeddings and the output head are detached, so L_MRC reaches the LLM only through
-``h_eos``. The decoder is thrown away after training (kept beside the adapter only to resume).
+Every position of the text is a target, BOS and EOS included (the paper rebuilds "the original text";
+a BOS target is trivial). Token embeddings and the output head are detached, so L_MRC reaches the LLM only
+through ``h_eos``. The decoder is thrown away after training (kept beside the adapter only to resume).
 
 Positions (``positions="scaled"``, the default): Eq. 3 adds a trainable ``p_i`` to ``h_eos`` so that query
 i asks for token i. On SmolLM2-135M ``h_eos`` has an RMS of about 2 per dimension (Gemma-3-270M about 3.3,

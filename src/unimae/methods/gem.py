@@ -204,6 +204,7 @@ class GEM(Method):
         ``--gem-positives dropout`` the anchors again, made to differ by model dropout)."""
         tok, n = self.ctx.tokenizer, len(self.summary_ids)
         gens = [example_generator(self.config.seed, i) for i in indices]  # block, then positive, per example
+        # every NTP row, with or without the block, keeps max_length - k tokens of text (one budget for both)
         encoded = encode_with_eos(tok, texts, self.config.max_length - n, warn=False)
         rows, flags = zip(*(self._insert_block(ids, g) for ids, g in zip(encoded, gens, strict=True)), strict=True)
         ids, mask = pad_right(list(rows), tok.pad_token_id)
