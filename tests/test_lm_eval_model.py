@@ -29,7 +29,7 @@ def test_branches_see_the_context_and_themselves():
     assert not allowed[5].any()  # padding (to_model_mask lets it see itself)
 
 
-def _models(arch: str):
+def _models(arch: str, window: int = 64):
     from lm_eval.models.huggingface import HFLM
 
     from unimae.evaluation.lm_eval_model import ScoredLM
@@ -38,7 +38,7 @@ def _models(arch: str):
     model = build_model(arch, len(tokenizer))
     if arch == "gemma3":
         model.config.final_logit_softcapping = 3.0  # small enough to change every logit
-        model.config.sliding_window = 64  # rows of up to 24 tokens: the window never binds, rows are packed
+        model.config.sliding_window = window  # 64: never binds in rows of up to 24 tokens; 6: binds in most
     kwargs = dict(pretrained=model, tokenizer=tokenizer, max_length=24)
     return HFLM(batch_size=3, **kwargs), ScoredLM(batch_size=2, chunk_size=5, **kwargs), tokenizer
 
@@ -58,9 +58,12 @@ def _requests(tokenizer) -> list:
     return requests
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
-def test_scores_equal_hflm(arch):
-    reference, scored, tokenizer = _models(arch)
+@pytest.mark.parametrize(("arch", "window"), [("llama", 0), ("gemma3", 64), ("gemma3", 6), ("qwen2", 0)])
+def test_scores_equal_hflm(arch, window):
+    """Packed rows score as lm-eval's HFLM scores each request alone, also where Gemma's sliding window binds
+    (6 tokens: rows are packed only up to the window, longer requests are scored alone under the model's
+    own windowed mask)."""
+    reference, scored, tokenizer = _models(arch, window)
     requests = _requests(tokenizer)
     assert any(len(c) + len(x) > 25 for _, c, x in requests)  # one request is truncated
     assert any(len(x) == 1 for _, _, x in requests)
