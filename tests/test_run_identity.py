@@ -32,6 +32,12 @@ def test_a_model_folder_changes_revision_when_its_weights_are_rewritten(tmp_path
 def test_summary_labels_and_unknown_tasks(tmp_path):
     (tmp_path / "k=1").mkdir()
     assert row_folder(tmp_path, "k=1") == ("k=1", tmp_path / "k=1")
+    elsewhere = tmp_path / "other" / "k=1"
+    elsewhere.mkdir(parents=True)
+    assert row_folder(tmp_path, f"k=5={elsewhere}") == ("k=5", elsewhere)  # a label holding '=' renames a folder
+    assert row_folder(tmp_path, f"base={elsewhere}") == ("base", elsewhere)
+    with pytest.raises(ValueError, match="expected LABEL or LABEL=FOLDER"):
+        row_folder(tmp_path, "=nothing")
     with pytest.raises(FileNotFoundError, match="no results folder"):
         row_folder(tmp_path, "typo")
     assert task_type("STSBenchmrk") == "unknown"  # a failed task's row, not a KeyError

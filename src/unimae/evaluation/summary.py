@@ -64,17 +64,20 @@ def task_type(name: str) -> str:
 def row_folder(results_dir: Path, label: str) -> tuple[str, Path]:
     """(row name, folder) of a ``--labels`` entry: ``LABEL`` is ``results_dir/LABEL``; ``LABEL=FOLDER`` names
     a row whose task JSONs live elsewhere (e.g. a row already scored in another table), read where it is.
-    A folder ``results_dir/<entry>`` wins, so labels such as ``p_mar=0.5`` or ``k=1`` stay plain labels."""
-    name, sep, folder = label.partition("=")
+    A folder ``results_dir/<entry>`` wins, so labels such as ``p_mar=0.5`` or ``k=1`` stay plain labels, and
+    a label may itself hold ``=`` (``k=1=results/x/k=1``): the entry splits at the ``=`` that names a folder."""
     if (results_dir / label).is_dir():
         return label, results_dir / label
-    if not sep:
+    splits = [(label[:i], label[i + 1 :]) for i, char in enumerate(label) if char == "="]
+    if not splits:
         raise FileNotFoundError(f"--labels entry {label!r}: no results folder {results_dir / label}")
+    for name, folder in splits:
+        if name and folder and Path(folder).is_dir():
+            return name, Path(folder)
+    name, folder = splits[0]
     if not name or not folder:
         raise ValueError(f"--labels entry {label!r}: expected LABEL or LABEL=FOLDER")
-    if not Path(folder).is_dir():
-        raise FileNotFoundError(f"--labels entry {label!r}: no results folder {folder}")
-    return name, Path(folder)
+    raise FileNotFoundError(f"--labels entry {label!r}: no results folder {folder}")
 
 
 def read_row(folder: Path, tasks: list[str], label: str | None = None) -> SummaryRow:
