@@ -2,7 +2,8 @@
 # GEM's ablation of k, the number of summary tokens (paper: k = 1 / 2 / 5 / 10 -> 54.35 / 54.67 / 55.88 / 56.12
 # on its MTEB subset), on the dev suite, with the paper's recipe (`--method gem` defaults, METHOD.md section 2).
 # k = 1 is the paper's default, so its row (label k=1) is also GEM's Table 1 row (`gem-summary`).
-# Results: OUT/summary.json (labels k=<n>, every k scored into OUT), written by `unimae evaluate summary`.
+# Results: OUT/summary.json (labels k=<n>, every k scored into OUT), written by `unimae evaluate summary`, and
+# its plot OUT/k.png.
 #   MODEL=smollm2-135m bash recipes/gem_ablation.sh                 (k = 1, 2, 5, 10)
 #   MODEL=gemma3-270m K_VALUES=1 bash recipes/gem_ablation.sh       (GEM's row for the second model)
 # Budget: the paper's 1,000 steps of 32 rows (100 NTP steps at lr 1e-4, then 900 contrastive at 1e-5, cosine),
@@ -48,3 +49,4 @@ done
 mapfile -t labels < <(find "$OUT" -maxdepth 1 -name 'k=*' -type d -printf '%f\n' | sort -t= -k2 -n)
 # shellcheck disable=SC2086
 $UNIMAE evaluate summary --output-dir "$OUT" --labels "${labels[@]}" --tasks $TASKS --name summary
+${PYTHON:-.venv/bin/python} recipes/plot_ablation.py "$OUT/summary.json" "$OUT/k.png" --parameter k --log-x

@@ -30,7 +30,7 @@ def main(summary_path: str, png: str, parameter: str = "p_mar", log_x: bool = Fa
         raise SystemExit(f"{summary_path} has no row labelled {prefix}<value>")
     values = [v for v, _ in rows]
     tasks = sorted({t for _, row in rows for t in row["tasks"]})
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for task in tasks:  # each task thin, the average bold
         ax.plot(values, [row["tasks"].get(task, float("nan")) for _, row in rows], lw=0.8, alpha=0.6, label=task)
     # An average over fewer tasks is not comparable with the others: a point with a missing task is left out.
@@ -45,7 +45,7 @@ def main(summary_path: str, png: str, parameter: str = "p_mar", log_x: bool = Fa
     ax.set_xlabel(AXIS.get(parameter, parameter))
     ax.set_ylabel(f"main score x100 ({len(tasks)} tasks)")
     ax.set_title(TITLE.get(parameter, f"{parameter} ablation"))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the lines, never on them
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"wrote {png}")
