@@ -21,7 +21,6 @@ so only this process can use it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -41,7 +40,16 @@ from unimae.index import Hit, VectorIndex
 from unimae.rag import RAGAnswer, passages_json, prompt_tail
 from unimae.serving.config import ServerConfig
 from unimae.serving.guard import RequestGuard
-from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, EmbeddingRequest, RAGRequest, parse_body
+from unimae.serving.schemas import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RAGRequest,
+    embeddings_body,
+    models_body,
+    parse_body,
+)
 from unimae.serving.sse import sse_frame
 from unimae.tokenization import encode_with_eos
 
@@ -211,24 +219,13 @@ def create_llamacpp_app(model: LlamaCppModel, config: ServerConfig, index: Vecto
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "unimae"}
-        return {"object": "list", "data": [card]}
+        return models_body(config.model_name)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
         body, ids = await run_in_threadpool(_embedding_inputs, state, await request.body())
         vectors = await run_in_threadpool(model.embed_ids, ids)
-        if body.encoding_format == "base64":
-            encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
-        else:
-            encoded = vectors.tolist()
-        used = sum(map(len, ids))
-        return {
-            "object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-            "model": config.model_name,
-            "usage": {"prompt_tokens": used, "total_tokens": used},
-        }
+        return embeddings_body(config.model_name, vectors, body.encoding_format, sum(map(len, ids)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> dict | StreamingResponse:

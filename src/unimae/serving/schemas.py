@@ -1,4 +1,5 @@
-"""OpenAI-format request bodies (pydantic), their parsing, and the OpenAI-style error body.
+"""OpenAI-format request bodies (pydantic), their parsing, the response bodies both engines share, and the
+OpenAI-style error body.
 
 Only what unimae serves is accepted; unknown fields are ignored as OpenAI clients send extras
 (``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes. A string
@@ -8,11 +9,13 @@ response encoder do not) is a 400 naming its field, wherever it is in the body.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Iterator
 from typing import Literal, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -211,3 +214,23 @@ class RAGRequest(BaseModel):
         if not value.strip():
             raise ValueError("the question is empty")
         return value
+
+
+def embeddings_body(model: str, vectors: np.ndarray, encoding_format: str, tokens: int) -> dict:
+    """The OpenAI embeddings response for (N, D) ``vectors``: float lists, or base64 of little-endian float32;
+    ``usage`` counts the ``tokens`` embedded."""
+    if encoding_format == "base64":
+        encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+    else:
+        encoded = vectors.tolist()
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def models_body(model: str) -> dict:
+    """``GET /v1/models``: the one model a server serves."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "unimae"}]}

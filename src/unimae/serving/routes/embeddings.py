@@ -9,7 +9,6 @@ drops its chunks not yet run. The response body is rendered in a worker thread t
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -19,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from unimae.pooling import PooledInput
-from unimae.serving.schemas import APIError, EmbeddingRequest, parse_body
+from unimae.serving.schemas import APIError, EmbeddingRequest, embeddings_body, parse_body
 from unimae.serving.state import ServerState, StateDep
 
 router = APIRouter()
@@ -95,15 +94,6 @@ async def _unless_gone(work: Awaitable[T], gone: asyncio.Future) -> T:
 
 def _render(state: ServerState, body: EmbeddingRequest, inputs: list[PooledInput], vectors: np.ndarray) -> bytes:
     """The response body as JSON bytes; ``usage`` counts the tokens embedded (after truncation, with specials)."""
-    if body.encoding_format == "base64":  # little-endian float32
-        encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
-    else:
-        encoded = vectors.tolist()
-    used = sum(len(item.ids) for item in inputs)
-    payload = {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-        "model": state.config.model_name,
-        "usage": {"prompt_tokens": used, "total_tokens": used},
-    }
+    tokens = sum(len(item.ids) for item in inputs)
+    payload = embeddings_body(state.config.model_name, vectors, body.encoding_format, tokens)
     return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from unimae.serving.schemas import models_body
 from unimae.serving.state import StateDep
 
 router = APIRouter()
@@ -24,5 +25,4 @@ async def health(state: StateDep) -> dict:
 
 @router.get("/v1/models", response_model=None)
 async def models(state: StateDep) -> dict:
-    card = {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "unimae"}
-    return {"object": "list", "data": [card]}
+    return models_body(state.config.model_name)
