@@ -294,6 +294,9 @@ def test_top_p_keeps_only_the_nucleus(tiny_model_dirs):
     params = GenerationParams(temperature=1.0, top_p=0.9)
     assert {pick_token(logits, params, generator) for _ in range(300)} == {0, 1}
     assert pick_token(logits, GenerationParams(), None) == 0
+    # a tiny temperature (the schema allows any value in [0, 2]) overflowed the scores to inf -> NaN probabilities
+    tiny = GenerationParams(temperature=1e-38, top_p=0.9)
+    assert pick_token(torch.tensor([[30.0, 10.0, -5.0, 2.0]]), tiny, generator) == 0
 
 
 def test_cancel_stops_within_a_token(tiny_model_dirs):

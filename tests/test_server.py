@@ -231,6 +231,26 @@ def test_bad_requests_get_openai_style_4xx(server, path, body, status, needle):
     assert error["type"] in ("invalid_request_error", "not_found_error")
 
 
+def test_the_default_answer_length_shrinks_to_the_context_left(server, tiny_model_dirs):
+    """Without max_tokens, a prompt near the context (512) gets a shorter answer, not a 400 about max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dirs["llama"]))
+    words = (LONG + " " + LONG + " " + LONG).split()
+    prompt = " ".join(
+        next(words[:n] for n in range(len(words)) if len(tokenizer(" ".join(words[:n]))["input_ids"]) > 500)
+    )
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    assert 500 < n_prompt < 512 - 1
+    reply = _post(server, "/v1/completions", {"prompt": prompt, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert 1 <= reply.json()["usage"]["completion_tokens"] <= 512 - n_prompt
+    explicit = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16})
+    assert explicit.status_code == 400 and "exceeds the context" in explicit.json()["error"]["message"]
+    full = _post(server, "/v1/completions", {"prompt": " ".join(words)})
+    assert full.status_code == 400 and "fills the context" in full.json()["error"]["message"]
+
+
 def test_malformed_json_oversized_body_and_auth(server):
     bad = _post(server, "/v1/embeddings", content=b'{"input": ')
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]

@@ -465,7 +465,8 @@ def pick_token(logits: torch.Tensor, params: GenerationParams, generator: torch.
     scores = logits.float()  # (1, V)
     if params.temperature == 0:
         return int(scores.argmax(-1))
-    scores = scores / params.temperature
+    # shifted so the top score is 0 before dividing: a tiny temperature then gives -inf scores, never inf - inf
+    scores = (scores - scores.max(-1, keepdim=True).values) / params.temperature
     if params.top_p < 1:
         ordered, order = torch.sort(scores, descending=False)  # (1, V) ascending
         drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p

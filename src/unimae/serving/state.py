@@ -120,8 +120,13 @@ class ServerState:
     def sampling(
         self, body: CompletionRequest | ChatRequest, default_tokens: int, prompt_tokens: int
     ) -> GenerationParams:
-        """Decoding options of a completion or chat ``body``; 400 when the prompt and answer overflow the context."""
+        """Decoding options of a completion or chat ``body``; 400 when the prompt and answer overflow the context.
+        Without ``max_tokens`` the default answer length shrinks to the context left (as OpenAI and vLLM do)."""
         max_tokens = self.token_budget(body.max_tokens, default_tokens)
+        if body.max_tokens is None and self.context is not None:
+            if prompt_tokens >= self.context:
+                raise APIError(400, f"the prompt ({prompt_tokens} tokens) fills the context of {self.context}")
+            max_tokens = min(max_tokens, self.context - prompt_tokens)
         if self.context is not None and prompt_tokens + max_tokens > self.context:
             raise APIError(
                 400,
