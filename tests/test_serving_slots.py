@@ -234,3 +234,46 @@ def test_a_stream_that_ran_gives_back_its_place_once():
     slots, sent = asyncio.run(main())
     assert (slots.running, slots.waiting) == (0, 0)
     assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+class _Client:
+    """The ASGI side of a non-streaming request whose body was read: ``receive`` returns once it leaves."""
+
+    def __init__(self):
+        self.leave = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+
+def test_a_completion_whose_client_leaves_ends_its_generation_and_frees_its_slot():
+    from types import SimpleNamespace
+
+    from conftest import build_tokenizer
+
+    from unimae.generation import GenerationParams
+    from unimae.serving.routes.completions import _generate
+
+    ended = threading.Event()
+
+    def decode(model, ids, params, eos, precision, past, cancel):  # one token, then nothing until cancelled
+        try:
+            yield 7
+            cancel.wait()
+        finally:  # run out or closed: the token source has ended either way
+            ended.set()
+
+    encoder = SimpleNamespace(model=SimpleNamespace(), tokenizer=build_tokenizer(True, True), precision="fp32")
+    params = GenerationParams(max_new_tokens=64)
+
+    async def scenario():
+        state = SimpleNamespace(slots=GenerationSlots(1, 0), encoder=encoder, decode=decode)
+        client = _Client()
+        client.leave.set()  # gone before its generation could end on its own
+        with pytest.raises(APIError) as err:
+            await _generate(state, [1, 5], params, client)
+        assert err.value.status == 499 and ended.is_set()
+        assert (state.slots.running, state.slots.waiting) == (0, 0)  # the slot is free for the next request
+
+    asyncio.run(scenario())

@@ -8,6 +8,7 @@ token source (``state.decode``: the continuous-batching scheduler by default).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
@@ -21,7 +22,7 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
-from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, parse_request
+from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, client_gone, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import ServerState, StateDep
 
@@ -58,7 +59,7 @@ async def completions(request: Request, state: StateDep) -> dict | StreamingResp
     if body.stream:
         state.slots.reserve()
         return sse_response(_stream(state, ids, params, chunk), state.slots)
-    result = await _generate(state, ids, params)
+    result = await _generate(state, ids, params, request)
     return {**chunk(result.text, result.finish_reason), "usage": _usage(result)}
 
 
@@ -77,26 +78,32 @@ async def chat(request: Request, state: StateDep) -> dict | StreamingResponse:
         role = _chat_chunk(reply, None, None, role=True)  # the first chunk only says who speaks
         stream = _stream(state, ids, params, functools.partial(_chat_chunk, reply), first=[role])
         return sse_response(stream, state.slots)
-    result = await _generate(state, ids, params)
+    result = await _generate(state, ids, params, request)
     message = {"role": "assistant", "content": result.text}
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
     return {**reply.head("chat.completion"), "choices": [choice], "usage": _usage(result)}
 
 
-async def _generate(state: ServerState, ids: list[int], params: GenerationParams) -> GenerationResult:
-    """The whole generation, in a worker thread, once a slot is free (or 429 now)."""
+async def _generate(state: ServerState, ids: list[int], params: GenerationParams, request: Request) -> GenerationResult:
+    """The whole generation, in a worker thread, once a slot is free (or 429 now). A client that disconnects
+    first ends it within a token (a 499 nobody reads), so it does not hold its slot and batch row to the end."""
     state.slots.reserve()
-    async with state.slots.hold():
-        encoder = state.encoder
-        return await run_in_threadpool(
-            generate_text,
-            encoder.model,
-            encoder.tokenizer,
-            ids,
-            params,
-            precision=encoder.precision,
-            decode=state.decode,
-        )
+    cancel = threading.Event()
+    gone = asyncio.ensure_future(client_gone(request))
+    encoder = state.encoder
+    try:
+        async with state.slots.hold():
+            run = functools.partial(generate_text, precision=encoder.precision, decode=state.decode, cancel=cancel)
+            task = asyncio.ensure_future(run_in_threadpool(run, encoder.model, encoder.tokenizer, ids, params))
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # the client left: end the generation, free the slot once its thread returns
+                cancel.set()
+                await asyncio.wait({task})
+                raise APIError(499, "the client closed the connection before its completion was ready")
+            return task.result()
+    finally:
+        gone.cancel()
+        cancel.set()  # no-op after a finished generation; ends it if this handler was cancelled
 
 
 def _stream(

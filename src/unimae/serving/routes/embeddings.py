@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from unimae.pooling import PooledInput
-from unimae.serving.schemas import APIError, EmbeddingRequest, embeddings_body, parse_body
+from unimae.serving.schemas import APIError, EmbeddingRequest, client_gone, embeddings_body, parse_body
 from unimae.serving.state import ServerState, StateDep
 
 router = APIRouter()
@@ -28,7 +28,7 @@ T = TypeVar("T")
 @router.post("/v1/embeddings", response_model=None)
 async def embeddings(request: Request, state: StateDep) -> Response:
     raw = await request.body()
-    gone = asyncio.ensure_future(_client_gone(request))
+    gone = asyncio.ensure_future(client_gone(request))
     try:
         body, inputs = await run_in_threadpool(_prepare, state, raw)
         vectors = await _unless_gone(state.batcher.submit(inputs), gone)  # (N, D) unit rows
@@ -70,12 +70,6 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
             "request_too_large",
         )
     return body, inputs
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns once the client has disconnected: after the body, the only message left to receive."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _unless_gone(work: Awaitable[T], gone: asyncio.Future) -> T:
