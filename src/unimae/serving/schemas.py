@@ -51,12 +51,6 @@ async def parse_request(request: Request, schema: type[Body]) -> Body:
     return await run_in_threadpool(parse_body, await request.body(), schema)
 
 
-async def client_gone(request: Request) -> None:
-    """Returns once the client has disconnected: after the body, the only message left to receive."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def parse_body(raw: bytes, schema: type[Body]) -> Body:
     """A request body -> ``schema``, or a 400 naming the first thing wrong (bad JSON, not an object, a string
     that is not valid Unicode, a field)."""

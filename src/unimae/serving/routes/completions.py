@@ -22,7 +22,8 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
-from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, client_gone, parse_request
+from unimae.serving.disconnect import client_gone, unless_gone
+from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import ServerState, StateDep
 
@@ -91,19 +92,13 @@ async def _generate(state: ServerState, ids: list[int], params: GenerationParams
     cancel = threading.Event()
     gone = asyncio.ensure_future(client_gone(request))
     encoder = state.encoder
+    run = functools.partial(generate_text, precision=encoder.precision, decode=state.decode, cancel=cancel)
     try:
         async with state.slots.hold():
-            run = functools.partial(generate_text, precision=encoder.precision, decode=state.decode, cancel=cancel)
-            task = asyncio.ensure_future(run_in_threadpool(run, encoder.model, encoder.tokenizer, ids, params))
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the client left: end the generation, free the slot once its thread returns
-                cancel.set()
-                await asyncio.wait({task})
-                raise APIError(499, "the client closed the connection before its completion was ready")
-            return task.result()
+            work = run_in_threadpool(run, encoder.model, encoder.tokenizer, ids, params)
+            return await unless_gone(work, gone, "its completion", stop=cancel)
     finally:
         gone.cancel()
-        cancel.set()  # no-op after a finished generation; ends it if this handler was cancelled
 
 
 def _stream(

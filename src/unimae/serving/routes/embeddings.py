@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
-from typing import TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from unimae.pooling import PooledInput
-from unimae.serving.schemas import APIError, EmbeddingRequest, client_gone, embeddings_body, parse_body
+from unimae.serving.disconnect import client_gone, unless_gone
+from unimae.serving.schemas import APIError, EmbeddingRequest, embeddings_body, parse_body
 from unimae.serving.state import ServerState, StateDep
 
 router = APIRouter()
-T = TypeVar("T")
 
 
 @router.post("/v1/embeddings", response_model=None)
@@ -31,7 +29,7 @@ async def embeddings(request: Request, state: StateDep) -> Response:
     gone = asyncio.ensure_future(client_gone(request))
     try:
         body, inputs = await run_in_threadpool(_prepare, state, raw)
-        vectors = await _unless_gone(state.batcher.submit(inputs), gone)  # (N, D) unit rows
+        vectors = await unless_gone(state.batcher.submit(inputs), gone, "its embeddings")  # (N, D) unit rows
     finally:
         gone.cancel()
     content = await run_in_threadpool(_render, state, body, inputs, vectors)
@@ -70,20 +68,6 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
             "request_too_large",
         )
     return body, inputs
-
-
-async def _unless_gone(work: Awaitable[T], gone: asyncio.Future) -> T:
-    """``await work``, cancelled (and a 499) if the client disconnects first; the batcher then drops the
-    request's chunks not yet run."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():  # the client has gone, or this handler was cancelled
-            task.cancel()
-    if not task.done():
-        raise APIError(499, "the client closed the connection before its embeddings were ready")
-    return task.result()
 
 
 def _render(state: ServerState, body: EmbeddingRequest, inputs: list[PooledInput], vectors: np.ndarray) -> bytes:
