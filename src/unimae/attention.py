@@ -4,7 +4,7 @@ transformers passes a ready 4D ``attention_mask`` straight to the attention impl
 architecture (Llama, Gemma3, Qwen2 ...), so a rule here needs no per-model code, with one exception: a ready
 mask also bypasses the window of sliding-window layers (Gemma-3: 512 tokens), so for a model with such
 layers and a sequence longer than the window :func:`to_model_mask` gives one mask per layer type (a dict,
-which those models take), the window applied to the sliding layers' mask by position distance.
+which those models take), the window applied to the sliding layers' mask.
 
 - ``causal``: the model's own mask (nothing is built; the 2D padding mask is passed through);
 - ``bidirectional`` (LLM2Vec/MNTP): every real token sees every real token;
@@ -68,20 +68,18 @@ def branches_allowed(segments: torch.Tensor) -> torch.Tensor:
     return tril[None] & (query >= 0) & ((key == 0) | (key == query))  # (B, T, T)
 
 
-def to_model_mask(
-    allowed: torch.Tensor, model, positions: torch.Tensor | None = None
-) -> torch.Tensor | dict[str, torch.Tensor]:
+def to_model_mask(allowed: torch.Tensor, model) -> torch.Tensor | dict[str, torch.Tensor]:
     """(B, T, T) bool -> the 4D mask the model's attention implementation takes: (B, 1, T, T); for a model
     with sliding-window layers and T over the window, ``{"full_attention": mask, "sliding_attention": mask}``
-    where the sliding mask also hides keys whose position is ``window`` or more away from the query's
-    (``positions`` (B, T): the rows' position ids, default 0..T-1; packed rows restart them per branch)."""
+    where the sliding mask also hides keys ``window`` or more tokens away from the query (rows of contiguous
+    tokens; lm-eval's packed rows are never longer than the window, ``ScoredLM``)."""
     t = allowed.shape[1]
     allowed = allowed | torch.eye(t, dtype=torch.bool, device=allowed.device)[None]  # no empty rows
     window = sliding_window(model)
     if window is None or t <= window:
         return _kernel_mask(allowed, model)
-    pos = positions if positions is not None else torch.arange(t, device=allowed.device)[None]  # (B or 1, T)
-    near = (pos[:, :, None] - pos[:, None, :]).abs() < window  # (B or 1, T, T)
+    pos = torch.arange(t, device=allowed.device)  # (T,)
+    near = (pos[:, None] - pos[None, :]).abs() < window  # (T, T)
     return {"full_attention": _kernel_mask(allowed, model), "sliding_attention": _kernel_mask(allowed & near, model)}
 
 

@@ -30,7 +30,7 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
-from unimae.attention import branches_allowed, to_model_mask
+from unimae.attention import branches_allowed, sliding_window, to_model_mask
 from unimae.losses.cross_entropy import head_logits, logit_softcap, output_projection
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (cache key, context tokens, continuation tokens)
@@ -104,7 +104,7 @@ class ScoredLM(HFLM):
         in request order. Rows run longest first in batches of ``batch_size``; packed rows and single
         requests in separate batches (only the packed need a 4D mask)."""
         batch_size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 16)
-        window = getattr(self.model.config, "sliding_window", None) or self.max_length
+        window = sliding_window(self.model) or self.max_length  # a packed row stays within a sliding window
         rows = pack_rows(requests, self.max_length, min(self.max_length, window))
         singles = sorted((row for row in rows if len(row.requests) == 1), key=len, reverse=True)
         packed = sorted((row for row in rows if len(row.requests) > 1), key=len, reverse=True)
@@ -150,8 +150,7 @@ class ScoredLM(HFLM):
         Rows of single requests need no mask (right padding is invisible to a causal model)."""
         mask = None
         if segments.max() > 1:  # a packed row: its continuations must not see each other
-            segments, positions = segments.to(self.device), position_ids.to(self.device)
-            mask = to_model_mask(branches_allowed(segments), self.model, positions=positions)
+            mask = to_model_mask(branches_allowed(segments.to(self.device)), self.model)  # within the window
         with torch.no_grad():
             return self.model.get_decoder()(
                 input_ids=input_ids.to(self.device),
