@@ -7,7 +7,8 @@
 #   MODEL=gemma3-270m  bash recipes/table1.sh
 # Environment: TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS (training
 # runs), OUT (results), GEM_STEPS / GEM_SWITCH (GEM's length and its NTP -> contrastive switch step;
-# default 300 and 100, the budget of the committed rows; the paper: 1,000 and 100), SIMCSE_STEPS (length of each SimCSE stage), TRAIN_FLAGS (extra
+# default 300 and 100, the budget of the committed rows; the paper: 1,000 and 100), SIMCSE_STEPS
+# (length of each SimCSE stage; default 60, the committed rows' budget), TRAIN_FLAGS (extra
 # `unimae train` flags for every run, e.g. "--batch-size 8 --max-length 64" for a cheaper table; the
 # per-method flags above come after them and win; GEM keeps its own budget, 32 rows of 64 tokens per step).
 # GEM's row is its k ablation's k = 1 run: trained into RUNS/gem/k1, scored into results/ablation-gem-k-MODEL.
@@ -20,7 +21,7 @@ UNIMAE=${UNIMAE:-.venv/bin/unimae}
 TASKS=${TASKS:-dev}
 GEM_STEPS=${GEM_STEPS:-300}
 GEM_SWITCH=${GEM_SWITCH:-100}
-SIMCSE_STEPS=${SIMCSE_STEPS:-100}
+SIMCSE_STEPS=${SIMCSE_STEPS:-60}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 
 train() {  # name, then train flags
