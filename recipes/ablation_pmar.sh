@@ -18,8 +18,10 @@ if [ -n "${STEPS:-}" ]; then steps=(--steps "$STEPS"); fi
 labels=()
 for p in $P_MARS; do
   if [ ! -f "$RUNS/p$p/adapter/adapter_config.json" ]; then
+    resume=()  # an interrupted point (checkpoints, no adapter) resumes
+    if [ -d "$RUNS/p$p/checkpoints" ]; then resume=(--resume); fi
     # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
-    $UNIMAE train --model "$MODEL" $TRAIN_FLAGS --p-mar "$p" "${steps[@]}" --output-dir "$RUNS/p$p"
+    $UNIMAE train --model "$MODEL" $TRAIN_FLAGS --p-mar "$p" "${steps[@]}" "${resume[@]}" --output-dir "$RUNS/p$p"
   fi
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/p$p/adapter" --tasks $TASKS --data-dir "$DATA" \

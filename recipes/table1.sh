@@ -24,11 +24,13 @@ GEM_SWITCH=${GEM_SWITCH:-100}
 SIMCSE_STEPS=${SIMCSE_STEPS:-60}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 
-train() {  # name, then train flags
+train() {  # name, then train flags; an interrupted run (checkpoints, no adapter) resumes
   local name=$1; shift
   if [ ! -f "$RUNS/$name/adapter/adapter_config.json" ]; then
+    local resume=()
+    if [ -d "$RUNS/$name/checkpoints" ]; then resume=(--resume); fi
     # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
-    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" $TRAIN_FLAGS "$@"
+    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" $TRAIN_FLAGS "$@" "${resume[@]}"
   fi
 }
 evaluate() {  # label, then evaluate flags

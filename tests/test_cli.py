@@ -84,7 +84,7 @@ def test_train_passes_the_resolved_config_and_reports_an_interrupt(monkeypatch, 
     assert main(argv) == 130
     (config,), kwargs = calls[0]
     assert (config.model, config.data, config.output_dir, config.steps, config.lr) == ("m", "d.txt", str(out), 7, 0.001)
-    assert kwargs == {"resume": False}
+    assert kwargs == {"resume": False, "overwrite": False}
     printed = capsys.readouterr().out
     assert "interrupted at step 3/7" in printed and f"unimae train --resume --output-dir {out}" in printed
 
@@ -99,7 +99,7 @@ def test_train_resume_reuses_the_runs_config_and_explicit_flags_win(monkeypatch,
     calls = _record(monkeypatch, "unimae.trainer.train", TrainResult(out, out / "adapter", 12, False, 1.0))
     assert main(["train", "--resume", "--output-dir", str(out), "--steps", "12"]) == 0
     (config,), kwargs = calls[0]
-    assert kwargs == {"resume": True}
+    assert kwargs == {"resume": True, "overwrite": False}
     assert (config.model, config.data, config.lr, config.steps) == ("saved-model", "saved.txt", 0.01, 12)
 
 

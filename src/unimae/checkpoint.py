@@ -93,4 +93,6 @@ def load_latest_checkpoint(output_dir: str | Path) -> dict[str, Any]:
             logger.warning(
                 "checkpoint %s is corrupt (%s); trying an older one. Delete it to silence this.", candidate, err
             )
-    raise CheckpointError(f"every checkpoint in {root} is corrupt; delete {root} and train without --resume")
+    raise CheckpointError(
+        f"every checkpoint in {root} is corrupt; start the run over: `unimae train --overwrite` instead of --resume"
+    )

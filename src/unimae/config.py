@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from unimae.files import atomic_write_json
+from unimae.files import atomic_write_json, read_json
 from unimae.pooling import POOLINGS
 from unimae.precision import PRECISIONS
 
@@ -342,6 +341,9 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
             raise ValueError(f"max_length must be at least 4 tokens, got {self.max_length}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        for name, least in (("save_every", 0), ("threads", 0), ("ce_chunk_size", 1), ("alpha", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.init_adapter and Path(self.init_adapter).resolve().parent == Path(self.output_dir).resolve():
             raise ValueError(
                 f"--init-adapter {self.init_adapter} is inside --output-dir {self.output_dir}, which this run "
@@ -388,13 +390,15 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        values = yaml.safe_load(text) or {}
+        try:
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ValueError(f"config file {path} is not valid YAML: {err}") from err
     else:
-        values = json.loads(text)
+        values = read_json(path, "config file")
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of TrainConfig fields, got {type(values).__name__}")
     known = {f.name: f for f in fields(TrainConfig)}

@@ -35,7 +35,7 @@ from unimae.adapter import (
     write_adapter_meta,
 )
 from unimae.attention import set_attention_dropout
-from unimae.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from unimae.checkpoint import checkpoint_dir, load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from unimae.config import TrainConfig
 from unimae.export import save_merged
 from unimae.files import atomic_write_json, atomic_write_text
@@ -166,8 +166,18 @@ def _load_base(config: TrainConfig, precision: str):
     return model, tokenizer, path, fingerprint
 
 
-def _restore(state: dict, out: Path, objective: torch.nn.Module, fingerprint: str) -> None:
+# Settings a resumed run may change without leaving the interrupted run's path: its length, checkpointing,
+# threads, where the folder lives, the final export, and memory knobs that compute the same step.
+# (``model``: the base's fingerprint is checked instead; ``recipe``: its numbers are already in the fields.)
+_RESUME_MAY_CHANGE = {
+    "steps", "save_every", "threads", "output_dir", "merge", "model", "recipe", "gradient_checkpointing",
+    "ce_chunk_size",
+}  # fmt: skip
+
+
+def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
     """Check a checkpoint belongs to this base and configuration, then load its trainable weights."""
+    out = config.output_dir
     if state["fingerprint"] != fingerprint:
         raise ValueError(
             f"the checkpoint in {out} was trained on another base model ({state['model']}); "
@@ -183,6 +193,20 @@ def _restore(state: dict, out: Path, objective: torch.nn.Module, fingerprint: st
                 f"checkpoint in {out} does not match this configuration ({problem} such as {names[:3]}); "
                 "resume with the run's own config.json"
             )
+    saved, ours = state.get("config", {}), config.to_dict()
+    changed = [
+        f"{k} {saved[k]!r} -> {ours[k]!r}"
+        for k in sorted((saved.keys() & ours.keys()) - _RESUME_MAY_CHANGE)
+        if saved[k] != ours[k]
+    ]
+    if changed:
+        free = _RESUME_MAY_CHANGE - {"model", "recipe", "output_dir"}
+        flags = ", ".join(sorted("--" + k.replace("_", "-") for k in free))
+        raise ValueError(
+            f"--resume: these settings differ from the run in {out} ({', '.join(changed)}), so it would not "
+            f"continue the same run; drop those flags (a resumed run may change only {flags}), "
+            "or train with them into another --output-dir"
+        )
     objective.load_state_dict(state["trainable"], strict=False)
 
 
@@ -204,7 +228,7 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()
     if state is not None:
-        _restore(state, Path(config.output_dir), objective, fingerprint)
+        _restore(state, config, objective, fingerprint)
     params, optimizer, scheduler = _optimizer(config, method, objective)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -374,13 +398,35 @@ def _start_log(run: _Run, start: int) -> Path:
     return log_path
 
 
-def train(config: TrainConfig, resume: bool = False) -> TrainResult:
-    """Run (or resume) training as configured; returns where the adapter was written."""
+_RUN_OUTPUTS = ("checkpoints", "adapter", "model", "merged")  # what a run writes besides its logs and configs
+
+
+def _earlier_run(out: Path) -> Path | None:
+    """The newest checkpoint, or the adapter (or full model), of a run already in ``out``; None if none."""
+    found = [p for p in (out / "adapter" / "adapter_config.json", out / "model" / "config.json") if p.is_file()]
+    found += sorted(checkpoint_dir(out).glob("step-*"))
+    return found[-1] if found else None
+
+
+def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Run (or resume) training as configured; returns where the adapter was written.
+
+    A new run refuses an ``output_dir`` that holds another run's checkpoints or adapter (its checkpoints would
+    outrank the new run's, and its adapter be lost) unless ``overwrite``, which deletes them first."""
     tune_allocator()
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    earlier = None if resume else _earlier_run(out)
+    if earlier is not None and not overwrite:
+        raise FileExistsError(
+            f"--output-dir {out} already holds a training run ({earlier}); continue it with "
+            f"`unimae train --resume --output-dir {out}`, start it over with --overwrite, or pass another --output-dir"
+        )
     state = load_latest_checkpoint(out) if resume else None
     run = _setup(config, state)
+    if earlier is not None:
+        for name in _RUN_OUTPUTS:
+            shutil.rmtree(out / name, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     step = start = state["step"] if state is not None else 0
     log_path = _start_log(run, start)
     stop = _StopFlag()

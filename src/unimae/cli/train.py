@@ -12,7 +12,13 @@ from unimae.config import TrainConfig, add_config_arguments, resolve_config
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "train", "Train a UniMAE adapter (see --help for every recipe number).", _train)
     add_config_arguments(parser)
-    parser.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in --output-dir.")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in --output-dir.")
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Start a new run in an --output-dir that holds another one (its checkpoints and adapter are deleted).",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -22,8 +28,10 @@ def _train(args: argparse.Namespace) -> int:
         saved = Path(getattr(args, "output_dir", TrainConfig.output_dir)) / "config.json"
         if saved.is_file() and not getattr(args, "config", None):
             args.config = str(saved)  # resume with the run's own config; explicit flags still win
-    config = resolve_config({k: v for k, v in vars(args).items() if k not in ("command", "resume", "func")})
-    result = train(config, resume=args.resume)
+    config = resolve_config(
+        {k: v for k, v in vars(args).items() if k not in ("command", "resume", "overwrite", "func")}
+    )
+    result = train(config, resume=args.resume, overwrite=args.overwrite)
     state = "interrupted at" if result.interrupted else "finished"
     print(f"\n{state} step {result.steps}/{config.steps} in {result.seconds:.0f} s")
     print(f"adapter:    {result.adapter_dir}")
