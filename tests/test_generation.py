@@ -103,7 +103,7 @@ def test_llama_family_takes_the_lean_step(tiny_model_dirs):
 @pytest.fixture
 def one_query_attention_in_fp32(monkeypatch):
     """The model's own SDPA attention computing one-query steps in fp32, as unimae's decode step does
-    (``decoding._one_query_attention``); longer queries (prefill, embeddings) unchanged."""
+    (``kv_cache.one_query_attention``); longer queries (prefill, embeddings) unchanged."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -202,7 +202,7 @@ def test_lean_rope_equals_transformers_bit_for_bit(dtype):
 
 
 def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
-    from unimae.decoding import _one_query_attention
+    from unimae.kv_cache import one_query_attention
 
     torch.manual_seed(0)
     q = torch.randn(1, 6, 1, 16).bfloat16()  # (1, H, 1, hd)
@@ -211,7 +211,7 @@ def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
         q.float(), keys.float(), values.float(), scale=0.25, enable_gqa=True
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = _one_query_attention(q, keys, values, 0.25, {"enable_gqa": True})
+        out = one_query_attention(q, keys, values, 0.25, {"enable_gqa": True})
         in_bf16 = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=0.25, enable_gqa=True)
     assert out.dtype == torch.bfloat16 and torch.equal(out, exact.bfloat16())
     assert (out.float() - exact).abs().max() <= (in_bf16.float() - exact).abs().max()

@@ -32,7 +32,6 @@ Sampling divides by the temperature, keeps the smallest set of tokens whose prob
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 import types
 import weakref
@@ -44,126 +43,18 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from unimae.kv_cache import (  # noqa: F401  (PreallocatedLayer, reusable_prefix, start_cache: re-exported)
+    KVPool,
+    PreallocatedLayer,
+    attend_rows,
+    preallocated,
+    reusable_prefix,
+    start_cache,
+)
 from unimae.precision import autocast
 
 if TYPE_CHECKING:
     from unimae.generation import GenerationParams
-
-
-class PreallocatedLayer(DynamicLayer):
-    """A full-attention KV-cache layer with room for ``capacity`` positions, allocated at first use.
-
-    ``update`` (transformers' interface) copies the new keys/values in place and returns the filled part,
-    shaped ``(B, H_kv, T, D)`` as a ``DynamicLayer`` returns it, in the new keys' dtype, so the model's own
-    attention sees the tensors it would see. ``dtype``: the dtype the cache stores (default: the first keys'
-    own). :class:`LlamaStep` stores a bf16 model's cache in fp32 and reads it with :meth:`append` (no cast):
-    its attention runs in fp32 (see :func:`_one_query_attention`), and casting the whole cache up at every
-    step and layer cost about 1 ms of a 24 ms SmolLM2 step (130 positions). Storing fp32 copies of bf16
-    values is exact, so the numbers are those of a bf16 cache; the memory is twice as much.
-    """
-
-    def __init__(self, capacity: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-        self.store_dtype = dtype
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = self.store_dtype or key_states.dtype, key_states.device
-        batch, heads, _, dim = key_states.shape
-        self._keys = key_states.new_empty(batch, heads, self.capacity, dim, dtype=self.dtype)  # (B, H_kv, capacity, D)
-        self._values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1], dtype=self.dtype)
-        self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
-        self.is_initialized = True
-
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the new keys/values in place -> views of the filled part ``(B, H_kv, T, D)`` in the stored dtype."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache full: {end} positions > capacity {self.capacity}")
-        self._keys[:, :, self.length : end].copy_(key_states)
-        self._values[:, :, self.length : end].copy_(value_states)
-        self.length = end
-        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]  # (B, H_kv, T, D) views
-        return self.keys, self.values
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = self.append(key_states, value_states)
-        return keys.to(key_states.dtype), values.to(value_states.dtype)  # views where the dtypes agree
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` positions (transformers' convention: a negative count);
-        the next ``update`` writes after what is left."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of positions to drop, got {tokens_to_remove}")
-        self.length = max(0, self.length + tokens_to_remove)
-        if self.is_initialized:
-            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
-
-    def reset(self) -> None:
-        self.crop(-self.length)
-
-    def _fixed_batch(self, *args, **kwargs):
-        raise NotImplementedError("a PreallocatedLayer holds one generation's fixed batch; use a DynamicCache")
-
-    batch_select_indices = batch_repeat_interleave = reorder_cache = _fixed_batch
-
-
-def reusable_prefix(past_key_values, prompt_length: int) -> int:
-    """How many positions of a prefix cache a prompt of ``prompt_length`` tokens reuses.
-
-    At most ``prompt_length - 1``: the last prompt token is always fed, as its logits give the first new
-    token. A cache covering the whole prompt is cut by one position, which a sliding-window layer that
-    already dropped its oldest positions cannot undo: such a cache is not reused (0).
-    """
-    if past_key_values is None:
-        return 0
-    length = past_key_values.get_seq_length()
-    keep = min(length, prompt_length - 1)
-    if keep < length and any(
-        getattr(layer, "is_sliding", False) and layer.get_seq_length() >= layer.get_max_length()
-        for layer in past_key_values.layers
-    ):
-        return 0
-    return keep
-
-
-def start_cache(model, capacity: int, prefix=None, keep: int = 0, dtype: torch.dtype | None = None) -> DynamicCache:
-    """A fresh cache for one generation of at most ``capacity`` positions.
-
-    Full-attention layers become :class:`PreallocatedLayer`; sliding-window (and any other) layers
-    stay as the model's config makes them. With ``prefix`` (a cache of the prompt's first tokens, e.g.
-    the query's embedding pass) and ``keep`` > 0 (see :func:`reusable_prefix`), its first ``keep``
-    positions are copied in; ``prefix`` itself is not modified. ``dtype``: what the full-attention layers
-    store (see :class:`PreallocatedLayer`; default: the model's keys' dtype).
-    """
-    if prefix is None or keep == 0:
-        cache = DynamicCache(config=model.config)
-        cache.layers = [
-            PreallocatedLayer(capacity, dtype) if type(lay) is DynamicLayer else lay for lay in cache.layers
-        ]
-        return cache
-    cache = DynamicCache()
-    cache.layers = []
-    drop = prefix.get_seq_length() - keep
-    for layer in prefix.layers:
-        if type(layer) in (DynamicLayer, PreallocatedLayer) and layer.is_initialized:
-            fresh = PreallocatedLayer(capacity, dtype)
-            fresh.append(layer.keys[:, :, :keep], layer.values[:, :, :keep])
-        else:
-            fresh = copy.deepcopy(layer)
-            if drop:
-                fresh.crop(-drop)
-        cache.layers.append(fresh)
-    return cache
 
 
 _DECODING = threading.local()  # .packed: this thread runs a bf16 decode step (see packed_linears)
@@ -337,7 +228,8 @@ class LlamaStep:
     transformers' forward spends much of a 135M model's decode step outside arithmetic (module calls, mask
     and position bookkeeping, attention dispatch). This loop runs the same operations on the same
     modules, in the same order and dtypes, so at B = 1 its logits equal ``model(...)``'s bit for bit in
-    fp32 (tests check token identity; a bf16 step attends in fp32, see :func:`_one_query_attention`): the
+    fp32 (tests check token identity; a bf16 step attends in fp32, see
+    :func:`~unimae.kv_cache.one_query_attention`): the
     embedding, rotary, norm and activation modules and any LoRA wrapper are called as they are; plain
     ``nn.Linear`` weights are applied directly (stacked q/k/v and gate/up on a packed step); RoPE is
     ``q cos + rotate_half(q) sin`` (as :func:`_rope` computes it, on queries and keys at once) and attention
@@ -345,14 +237,18 @@ class LlamaStep:
     attention runs one unmasked query.
 
     B > 1 (in-flight batching, :mod:`unimae.serving.scheduler`): each row is its own sequence with its own
-    cache of its own length, no padding and no merged cache. Every projection (q/k/v, o, gate/up, down,
-    LoRA included, and the LM head) runs once on the stacked (B, 1, D) rows: a 135M model's step is bound
-    by reading its weights, so B rows cost about what one costs. RoPE takes each row's own position;
-    attention runs row by row over that row's cache. A row's logits equal its B = 1 logits up to the
-    rounding of a B-row matrix product against a one-row one (tests: greedy tokens identical in fp32).
+    cache of its own length, no padding. Every projection (q/k/v, o, gate/up, down, LoRA included, and the
+    LM head) runs once on the stacked (B, 1, D) rows: a 135M model's step is bound by reading its weights,
+    so B rows cost about what one costs. RoPE takes each row's own position. Attention: rows whose caches are
+    slots of ``pool`` (:class:`~unimae.kv_cache.KVPool`, ordered by slot, as :meth:`Decoder.step` passes them)
+    write their keys and attend in one call per layer, each row masked to its own length; otherwise row by
+    row over each row's cache. A row's logits equal its B = 1 logits up to the rounding of a B-row matrix
+    product against a one-row one and of a masked attention over a longer span (tests: greedy tokens
+    identical in fp32).
     """
 
-    def __init__(self, model, packed: bool):
+    def __init__(self, model, packed: bool, pool: KVPool | None = None):
+        self.pool = pool
         decoder = model.get_decoder()
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = _projection([model.get_output_embeddings()], packed)
@@ -391,13 +287,15 @@ class LlamaStep:
     @staticmethod
     def supports(model, cache: DynamicCache) -> bool:
         """:meth:`supports_model`, with a cache whose layers are all :class:`PreallocatedLayer`."""
-        return LlamaStep.supports_model(model) and _preallocated(cache)
+        return LlamaStep.supports_model(model) and preallocated(cache)
 
     def __call__(self, tokens: torch.Tensor, caches: list[DynamicCache]) -> torch.Tensor:
         """tokens (B, 1), row b continuing the sequence in ``caches[b]`` -> next-token logits (B, V);
         appends each row's keys/values to its own cache."""
         rows = [cache.layers for cache in caches]
         batch = tokens.shape[0]
+        pooled = batch > 1 and self.pool is not None and all(self.pool.owns(cache) for cache in caches)
+        plan = self.pool.plan(caches) if pooled else None
         position = torch.tensor([[layers[0].length] for layers in rows], device=tokens.device)  # (B, 1)
         h = self.embed(tokens)  # (B, 1, D)
         cos, sin = self.rotary(h, position)  # (B, 1, hd) each
@@ -406,48 +304,18 @@ class LlamaStep:
             qkv = layer.qkv(layer.norm1(h)).view(batch, 1, -1, layer.head_dim).transpose(1, 2)  # (B, H+2H_kv, 1, hd)
             qk = _rope(qkv[:, : layer.heads + layer.kv_heads], cos, sin)  # queries and keys rotated at once
             q, k, v = qk[:, : layer.heads], qk[:, layer.heads :], qkv[:, layer.heads + layer.kv_heads :]
-            a = _attend(q, k, v, [layers[depth] for layers in rows], layer.scale, layer.gqa)  # (B, H, 1, hd)
+            if plan is not None:
+                a = self.pool.attend(depth, q, k, v, plan, layer.scale, layer.gqa)  # (B, H, 1, hd)
+            else:
+                a = attend_rows(q, k, v, [layers[depth] for layers in rows], layer.scale, layer.gqa)  # (B, H, 1, hd)
             h = h + layer.out(a.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
             gate, up = layer.gate_up(layer.norm2(h)).chunk(2, dim=-1)
             h = h + layer.down(layer.act(gate) * up)
+        if plan is not None:  # the pool wrote every layer's new position
+            for layers in rows:
+                for cache_layer in layers:
+                    cache_layer.advance(1)
         return self.head(self.norm(h))[:, -1]  # (B, V)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list, scale: float, gqa: dict) -> torch.Tensor:
-    """Each row's query over its own cache layer, after appending its new key/value there.
-
-    q (B, H, 1, hd), k / v (B, H_kv, 1, hd) -> (B, H, 1, hd) in q's dtype; row b attends over ``caches[b]``
-    only. A bf16 step attends in fp32 (:func:`_one_query_attention`) over a cache stored in fp32 (see
-    :class:`PreallocatedLayer`).
-    """
-    parts = []
-    for row, cache in enumerate(caches):
-        keys, values = cache.append(k[row : row + 1], v[row : row + 1])  # (1, H_kv, T_row, hd), stored dtype
-        parts.append(_one_query_attention(q[row : row + 1], keys, values, scale, gqa))  # (1, H, 1, hd)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, gqa: dict):
-    """softmax(q K^T * scale) V for one new position: q (1, H, 1, hd), keys / values (1, H_kv, T, hd) ->
-    (1, H, 1, hd) in q's dtype.
-
-    Half-precision inputs are computed in fp32, autocast off: PyTorch 2.13's CPU SDPA takes 5-8x longer
-    in bf16 than in fp32 for one query (SmolLM2 shapes, one core: 160-240 us against 32 us at 128 cached
-    positions, 1.4 ms against 0.17 ms at 1,024), which made attention half of an 8-row decode step. fp32
-    is also the more exact of the two, so a bf16 step's logits differ from the model's own bf16 forward by
-    rounding only (the prefill, embeddings and Gemma3's steps keep the model's attention).
-    """
-    dtype = q.dtype  # bf16 on bf16 weights; fp32 weights under autocast give fp32 q, k (RoPE) and bf16 v
-    q, keys, values = q.float(), keys.float(), values.float()  # no copy for what is fp32 already
-    with torch.autocast(q.device.type, enabled=False):  # autocast would cast SDPA's inputs back down
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, keys, values, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False, **gqa
-        )  # (1, H, 1, hd)
-    return out.to(dtype)
-
-
-def _preallocated(cache: DynamicCache) -> bool:
-    return all(type(layer) is PreallocatedLayer for layer in cache.layers)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -500,15 +368,18 @@ class DecodeState:
         eos_ids: set[int],
         past_key_values=None,
         kv_dtype: torch.dtype | None = None,
+        pool: KVPool | None = None,
     ):
         """The state before the prefill: a cache for the prompt and ``max_new_tokens`` with the reusable part
         of ``past_key_values`` copied in (not modified; see :func:`reusable_prefix`), a seeded sampler.
-        ``kv_dtype``: what the cache stores (:attr:`Decoder.kv_dtype`; default: the model's keys' dtype)."""
+        ``kv_dtype``: what the cache stores (:attr:`Decoder.kv_dtype`; default: the model's keys' dtype);
+        ``pool``: where the cache goes if it has room (:attr:`Decoder.pool`)."""
         if not input_ids:
             raise ValueError("the prompt is empty: generation needs at least one token (e.g. BOS)")
         device = next(model.parameters()).device
         cached = reusable_prefix(past_key_values, len(input_ids))
-        cache = start_cache(model, len(input_ids) + params.max_new_tokens, past_key_values, cached, kv_dtype)
+        capacity = len(input_ids) + params.max_new_tokens
+        cache = start_cache(model, capacity, past_key_values, cached, kv_dtype, pool)
         generator = None
         if params.temperature > 0:
             generator = torch.Generator(device=device)
@@ -525,6 +396,13 @@ class DecodeState:
         self.finished = token in self.eos_ids or self.produced >= self.params.max_new_tokens
         self.feed = torch.tensor([[token]], device=self.feed.device)  # (1, 1)
         return token
+
+    def close(self) -> None:
+        """Give the cache's pool slot back (idempotent); the state must not be stepped after this."""
+        release = getattr(self.cache, "pool_release", None)
+        if release is not None:
+            release()
+        self.finished = True
 
 
 class Decoder:
@@ -545,24 +423,72 @@ class Decoder:
         if self.packed:
             packed_linears(model)
         contiguous_head_input(model)
-        self.lean = LlamaStep(model, self.packed) if LlamaStep.supports_model(model) else None
+        self.pool = self.lean = None
+        if LlamaStep.supports_model(model):
+            if all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers):
+                config = model.config
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+                self.pool = KVPool(config.num_hidden_layers, kv_heads, head_dim, self.device)
+            self.lean = LlamaStep(model, self.packed, self.pool)
         self.kv_dtype = torch.float32 if self.lean is not None else None  # the lean step attends in fp32
 
     def start(self, input_ids: list[int], params: GenerationParams, eos_ids: set[int], past_key_values=None):
         """:meth:`DecodeState.start` for this decoder's model, its cache stored as the steps read it
         (:attr:`kv_dtype`)."""
-        return DecodeState.start(self.model, input_ids, params, eos_ids, past_key_values, self.kv_dtype)
+        return DecodeState.start(self.model, input_ids, params, eos_ids, past_key_values, self.kv_dtype, self.pool)
 
     def prefill(self, state: DecodeState) -> int:
         """Feed the state's prompt tail with the model's own forward -> the first new token."""
         with _step_context(self.precision, self.device, False):
             return state.take(self._forward(state))
 
+    def prefill_many(self, states: list[DecodeState]) -> list[int]:
+        """:meth:`prefill` for several states -> their first tokens, in as few forwards as it can.
+
+        Pooled states with nothing cached go through the model's own forward together, right-padded to the
+        longest prompt (at most :data:`PREFILL_TOKENS` padded tokens a forward), their keys/values then copied
+        into their slots: eight 106-token SmolLM2 prompts take about 0.6 s this way against 0.9 s one by one
+        (bf16, 2 cores), compute-bound work that a bigger matrix product does better. The others (a prefix
+        cache to continue, a cache of its own) are prefilled one by one. A row's first token equals the one
+        its own prefill gives up to the rounding of a bigger matrix product (tests: identical in fp32).
+        """
+        with _step_context(self.precision, self.device, False):
+            logits: dict[int, torch.Tensor] = {}
+            group = [i for i, s in enumerate(states) if self._joins_padded_prefill(s)]
+            for chunk in _padded_chunks([states[i].feed.shape[1] for i in group], PREFILL_TOKENS):
+                rows = [group[j] for j in chunk]
+                if len(rows) > 1:
+                    logits.update(zip(rows, self._padded_forward([states[i] for i in rows]), strict=True))
+            return [s.take(logits[i] if i in logits else self._forward(s)) for i, s in enumerate(states)]
+
+    def _joins_padded_prefill(self, state: DecodeState) -> bool:
+        return self.pool is not None and self.pool.owns(state.cache) and state.cache.get_seq_length() == 0
+
+    def _padded_forward(self, states: list[DecodeState]) -> list[torch.Tensor]:
+        """One forward over ``states``' prompts, right-padded -> each one's last-position logits (1, V); each
+        state's keys/values (its own positions only) copied into its cache."""
+        lengths = [s.feed.shape[1] for s in states]
+        ids = torch.zeros(len(states), max(lengths), dtype=torch.long, device=self.device)  # (B, T) pad id 0
+        mask = torch.zeros_like(ids)  # (B, T) 1 = a prompt token
+        for row, (state, n) in enumerate(zip(states, lengths, strict=True)):
+            ids[row, :n], mask[row, :n] = state.feed[0], 1
+        keep = sorted({n - 1 for n in lengths})  # the positions whose logits some row needs
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor(keep)
+        )  # logits (B, len(keep), V)
+        for row, (state, n) in enumerate(zip(states, lengths, strict=True)):
+            for layer, source in zip(state.cache.layers, cache.layers, strict=True):
+                layer.append(source.keys[row : row + 1, :, :n], source.values[row : row + 1, :, :n])
+        return [out.logits[row : row + 1, keep.index(n - 1)] for row, n in enumerate(lengths)]
+
     def step(self, states: list[DecodeState]) -> list[int]:
         """One new token for each of ``states`` (prefilled, not finished), in one forward where it can."""
         with _step_context(self.precision, self.device, self.packed):
             logits: list[torch.Tensor | None] = [None] * len(states)
-            lean = [i for i, s in enumerate(states) if self.lean is not None and _preallocated(s.cache)]
+            lean = [i for i, s in enumerate(states) if self.lean is not None and preallocated(s.cache)]
+            lean.sort(key=lambda i: getattr(states[i].cache, "pool_slot", None) or 0)  # pooled rows in slot order
             if lean:
                 tokens = torch.cat([states[i].feed for i in lean]) if len(lean) > 1 else states[lean[0]].feed  # (B, 1)
                 batch = self.lean(tokens, [states[i].cache for i in lean])  # (B, V)
@@ -574,6 +500,21 @@ class Decoder:
         """The model's own forward of ``state.feed`` -> last-position logits (1, V)."""
         out = self.model(input_ids=state.feed, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
+
+
+PREFILL_TOKENS = 2048  # padded tokens in one batched prefill forward (Decoder.prefill_many)
+
+
+def _padded_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` in groups, longest first, whose padded size (count x longest) fits ``budget``
+    (a longer one alone)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def decode_tokens(
@@ -594,10 +535,13 @@ def decode_tokens(
     """
     decoder = Decoder(model, precision)
     state = decoder.start(input_ids, params, eos_ids, past_key_values)
-    while not state.finished:
-        if cancel is not None and cancel.is_set():
-            return
-        yield decoder.prefill(state) if state.produced == 0 else decoder.step([state])[0]
+    try:
+        while not state.finished:
+            if cancel is not None and cancel.is_set():
+                return
+            yield decoder.prefill(state) if state.produced == 0 else decoder.step([state])[0]
+    finally:
+        state.close()
 
 
 def warm_up(model, precision: str) -> None:

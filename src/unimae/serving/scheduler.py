@@ -14,11 +14,13 @@ How (the arithmetic is :class:`unimae.decoding.Decoder`'s):
   and cancellation stay in :mod:`unimae.generation`, one code path for the server, ``unimae ask`` and
   ``Encoder.generate``.
 - The scheduler's thread loops: take waiting requests while the batch has room (``max_batch`` rows); prefill
-  each alone (batch 1, its own preallocated cache with the reusable part of its prefix copied in, as
-  ``decode_tokens`` does) -> its first token; then one :meth:`Decoder.step` over every row -> one token each.
-  Each row keeps its own KV cache (no padding, no merged cache); for Llama-family models the step stacks the
-  rows for the projections and attends row by row; other models (Gemma3) step each row with the model's own
-  forward (correct, not faster). Greedy tokens equal those of the request decoded alone (fp32 tests).
+  them (:meth:`Decoder.prefill_many`: prompts with nothing cached in one right-padded forward, the others
+  alone, each with its own cache and the reusable part of its prefix copied in, as ``decode_tokens`` does)
+  -> their first tokens; then one :meth:`Decoder.step` over every row -> one token each. Each row keeps its
+  own KV cache, no padding; for Llama-family models the caches are slots of one
+  :class:`~unimae.kv_cache.KVPool` and the step stacks the rows for the projections and attends over all of
+  them in one call per layer; other models (Gemma3) step each row with the model's own forward (correct,
+  not faster). Greedy tokens equal those of the request decoded alone (fp32 tests).
 - A row leaves at an EOS id, at ``max_new_tokens``, or once its cancel event is set (the routes set it when
   the client leaves or a stop string ends the text; closing the iterator does the same), checked when the
   step has the model, so a cancelled row costs at most the step it is in and frees its place for the next one.
@@ -177,9 +179,9 @@ class GenerationScheduler:
         try:
             decoder = self.lock.call(Decoder, self.model, self.precision)  # packs bf16 weights on the model's thread
             while (arrivals := self._arrivals()) is not None:
-                while arrivals:
-                    self._prefill(decoder, arrivals[0])
-                    arrivals.pop(0)
+                if arrivals:
+                    self._prefill(decoder, arrivals)
+                    arrivals = []
                 self._step(decoder)
         except Exception as err:  # a bug: end every generation with it rather than leave them waiting
             logger.exception("the generation scheduler stopped on an error")
@@ -203,30 +205,57 @@ class GenerationScheduler:
             room = self.max_batch - len(self._rows)
             return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
 
-    def _prefill(self, decoder: Decoder, request: _Request) -> None:
-        """Feed ``request``'s prompt (batch 1) -> its first token; it joins the batch unless it is done."""
-        try:
-            token = self.lock.run(self._start, decoder, request)
-        except Exception as err:  # this request's fault (or its prompt's): the others go on
-            self._end(request, err)
-            return
-        if token is None:
-            self._end(request, cancelled=True)
-            return
-        request.prefix = None
-        self._deliver(request, token)
-        if request.state.finished:
-            self._end(request)
-        else:
-            self._rows.append(request)
+    def _prefill(self, decoder: Decoder, requests: list[_Request]) -> None:
+        """Feed the prompts of ``requests`` (together: :meth:`Decoder.prefill_many`) -> their first tokens; each
+        joins the batch unless it is done. A request whose prefill fails ends with its error; the others go on."""
+        outcomes = self.lock.run(self._start, decoder, requests)
+        for request, outcome in zip(requests, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self._end(request, outcome)
+            elif outcome is None:
+                self._end(request, cancelled=True)
+            else:
+                request.prefix = None
+                self._deliver(request, outcome)
+                if request.state.finished:
+                    self._end(request)
+                else:
+                    self._rows.append(request)
 
-    def _start(self, decoder: Decoder, request: _Request) -> int | None:
-        """On the model's thread: ``request``'s cache (its prefix copied in) and prefill -> its first token;
-        None, and no prefill, if the request was cancelled while it waited for the model."""
-        if request.gone():
-            return None
-        request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
-        return decoder.prefill(request.state)
+    def _start(self, decoder: Decoder, requests: list[_Request]) -> list[int | None | Exception]:
+        """On the model's thread: each request's cache (its prefix copied in), then their prefills -> each one's
+        first token, None (cancelled while it waited for the model: no prefill) or the error that ended it.
+        If the prefills together fail, each is retried alone, so only the request at fault fails."""
+        outcomes: list[int | None | Exception] = [None] * len(requests)
+        started = []
+        for i, request in enumerate(requests):
+            if request.gone():
+                continue
+            try:
+                request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
+                started.append(i)
+            except Exception as err:  # this request's fault (or its prompt's)
+                outcomes[i] = err
+        try:
+            tokens = decoder.prefill_many([requests[i].state for i in started])
+        except Exception as err:
+            if len(started) == 1:
+                outcomes[started[0]] = err
+                return outcomes
+            tokens = [self._prefill_alone(decoder, requests[i]) for i in started]
+        for i, token in zip(started, tokens, strict=True):
+            outcomes[i] = token
+        return outcomes
+
+    @staticmethod
+    def _prefill_alone(decoder: Decoder, request: _Request) -> int | Exception:
+        """``request``'s prefill on its own, from a fresh cache -> its first token or its error."""
+        try:
+            request.state.close()
+            request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
+            return decoder.prefill(request.state)
+        except Exception as err:
+            return err
 
     def _step(self, decoder: Decoder) -> None:
         """One token for every row; rows that are done (or gone) leave the batch."""
@@ -269,6 +298,8 @@ class GenerationScheduler:
         request.out.put(token)
 
     def _end(self, request: _Request, error: Exception | None = None, cancelled: bool = False) -> None:
+        if request.state is not None:
+            request.state.close()  # its pool slot is free for the next request
         if error is not None:
             self.stats.failed += 1
             request.out.put(error)

@@ -1,0 +1,115 @@
+"""The shared KV pool of the lean decode step and the batched prefill (unimae.kv_cache, Decoder.prefill_many),
+on tiny Llama / Qwen2 models in fp32: every row's greedy tokens equal those of the row decoded alone."""
+
+import gc
+
+import pytest
+import torch
+from conftest import SENTENCES
+
+from unimae.decoding import Decoder, decode_tokens
+from unimae.generation import GenerationParams
+from unimae.kv_cache import KVPool
+from unimae.models import load_model
+
+
+def _model(tiny_model_dirs, arch: str = "llama"):
+    model, tokenizer, _ = load_model(str(tiny_model_dirs[arch]))
+    return model.float().eval(), tokenizer
+
+
+def _prompts(tokenizer, count: int) -> list[list[int]]:
+    """Prompts of different lengths (a sentence repeated 1, 2, ... times)."""
+    return [tokenizer(" ".join([SENTENCES[i]] * (1 + i % 3)))["input_ids"] for i in range(count)]
+
+
+def test_pool_gives_slots_grows_keeping_what_is_written_and_reuses_freed_slots():
+    pool = KVPool(num_layers=2, kv_heads=1, head_dim=4, device=torch.device("cpu"))
+    first = pool.acquire(10)
+    assert (first.pool_slot, pool.slots, pool.capacity) == (0, 1, 64)
+    first.layers[1].append(torch.ones(1, 1, 3, 4), torch.full((1, 1, 3, 4), 2.0))
+    second = pool.acquire(100)  # no free slot and a longer generation: slots double, capacity -> 128
+    assert (second.pool_slot, pool.slots, pool.capacity) == (1, 2, 128)
+    keys, values = first.layers[1].keys, first.layers[1].values  # rebound to the grown storage
+    assert keys.shape == (1, 1, 3, 4) and torch.equal(keys, torch.ones(1, 1, 3, 4)) and values.eq(2).all()
+    assert keys.data_ptr() == pool.keys[1].data_ptr(), "slot 0 is a view of the pool"
+    assert first.layers[1].capacity == 128
+    pool.release(first)
+    pool.release(first)  # idempotent
+    assert pool.in_use() == 1 and pool.acquire(5).pool_slot == 0
+    assert pool.nbytes(2, 128) == 2 * 2 * 2 * 1 * 128 * 4 * 4
+
+
+def test_pool_frees_a_dropped_cache_and_refuses_beyond_its_budget():
+    pool = KVPool(num_layers=1, kv_heads=1, head_dim=4, device=torch.device("cpu"), max_bytes=4096)
+    cache = pool.acquire(16)
+    assert pool.in_use() == 1
+    del cache
+    gc.collect()
+    assert pool.in_use() == 0
+    assert pool.acquire(1000) is None, "64 slots' worth of memory over the budget: a cache of its own instead"
+
+
+def _alone(model, ids: list[int], new: int) -> list[int]:
+    return list(decode_tokens(model, ids, GenerationParams(max_new_tokens=new), set()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pooled_rows_with_gaps_and_other_lengths_equal_each_decoded_alone(tiny_model_dirs, arch):
+    model, tokenizer = _model(tiny_model_dirs, arch)
+    prompts, new = _prompts(tokenizer, 4), 12
+    expected = [_alone(model, ids, new) for ids in prompts]
+    decoder = Decoder(model)
+    states = [decoder.start(ids, GenerationParams(max_new_tokens=new), set()) for ids in prompts]
+    assert [s.cache.pool_slot for s in states] == [0, 1, 2, 3]
+    got = [[t] for t in decoder.prefill_many(states)]
+    for _ in range(3):
+        for out, token in zip(got, decoder.step(states), strict=True):
+            out.append(token)
+    states[1].close()  # slot 1 leaves: the others attend over a span with a gap
+    live = [states[i] for i in (3, 0, 2)]  # any order: the step orders the rows by slot
+    assert decoder.pool.plan([states[0].cache, states[2].cache, states[3].cache]).gaps
+    while not live[0].finished:
+        for i, token in zip((3, 0, 2), decoder.step(live), strict=True):
+            got[i].append(token)
+    assert [got[i] for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    joining = decoder.start(prompts[1], GenerationParams(max_new_tokens=new), set())
+    assert joining.cache.pool_slot == 1, "the freed slot is taken again"
+
+
+def test_prefill_many_runs_one_forward_and_gives_each_prompts_first_token(tiny_model_dirs):
+    model, tokenizer = _model(tiny_model_dirs)
+    prompts = _prompts(tokenizer, 3)
+    assert len({len(p) for p in prompts}) == 3
+    expected = [_alone(model, ids, 6) for ids in prompts]
+    decoder = Decoder(model)
+    states = [decoder.start(ids, GenerationParams(max_new_tokens=6), set()) for ids in prompts]
+    calls = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        first = decoder.prefill_many(states)
+    finally:
+        hook.remove()
+    assert calls == [(3, max(map(len, prompts)))], "one right-padded forward"
+    assert [s.cache.get_seq_length() for s in states] == [len(p) for p in prompts]
+    rest = [decoder.step(states) for _ in range(5)]
+    assert [[f, *col] for f, col in zip(first, zip(*rest, strict=True), strict=True)] == expected
+
+
+def test_a_generation_over_the_pools_budget_steps_beside_pooled_rows(tiny_model_dirs):
+    model, tokenizer = _model(tiny_model_dirs)
+    prompts = _prompts(tokenizer, 2)
+    expected = [_alone(model, ids, 10) for ids in prompts] + [_alone(model, prompts[0], 300)[:10]]
+    decoder = Decoder(model)
+    decoder.pool.max_bytes = decoder.pool.nbytes(2, 64)  # room for two short generations only
+    states = [decoder.start(ids, GenerationParams(max_new_tokens=10), set()) for ids in prompts]
+    long = decoder.start(prompts[0], GenerationParams(max_new_tokens=300), set())
+    assert not decoder.pool.owns(long.cache) and all(decoder.pool.owns(s.cache) for s in states)
+    rows = [*states, long]
+    got = [[t] for t in decoder.prefill_many(rows)]
+    for _ in range(9):
+        for out, token in zip(got, decoder.step(rows), strict=True):
+            out.append(token)
+    assert got == expected
