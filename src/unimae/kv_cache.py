@@ -47,8 +47,27 @@ class PreallocatedLayer(DynamicLayer):
         batch, heads, _, dim = key_states.shape
         self._keys = key_states.new_empty(batch, heads, self.capacity, dim, dtype=self.dtype)  # (B, H_kv, capacity, D)
         self._values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1], dtype=self.dtype)
-        self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
         self.is_initialized = True
+
+    # ``keys`` / ``values``: views of the written part, made when read (a pooled step advances every layer of
+    # every row without reading them). transformers' constructor sets them to None; nothing else may set them.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys[:, :, : self.length] if self.is_initialized else None  # (B, H_kv, T, D)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a PreallocatedLayer's keys are a view of its storage; use append or crop")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values[:, :, : self.length] if self.is_initialized else None  # (B, H_kv, T, D)
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a PreallocatedLayer's values are a view of its storage; use append or crop")
 
     def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store into ``keys`` / ``values`` ``(1, H_kv, capacity, D)`` (a pool's slot) from now on; the positions
@@ -56,12 +75,10 @@ class PreallocatedLayer(DynamicLayer):
         self._keys, self._values = keys, values
         self.capacity, self.dtype, self.device = keys.shape[2], keys.dtype, keys.device
         self.is_initialized = True
-        self.advance(0)
 
     def advance(self, positions: int) -> None:
         """Count ``positions`` more as written (a :class:`KVPool` step writes them into the pool directly)."""
         self.length += positions
-        self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the new keys/values in place -> views of the filled part ``(B, H_kv, T, D)`` in the stored dtype."""
@@ -91,8 +108,6 @@ class PreallocatedLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of positions to drop, got {tokens_to_remove}")
         self.length = max(0, self.length + tokens_to_remove)
-        if self.is_initialized:
-            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
 
     def reset(self) -> None:
         self.crop(-self.length)
