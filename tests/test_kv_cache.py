@@ -50,6 +50,18 @@ def test_pool_frees_a_dropped_cache_and_refuses_beyond_its_budget():
     assert pool.acquire(1000) is None, "64 slots' worth of memory over the budget: a cache of its own instead"
 
 
+def test_an_idle_pool_shrinks_back_after_a_long_generation():
+    pool = KVPool(num_layers=1, kv_heads=1, head_dim=4, device=torch.device("cpu"))
+    long = pool.acquire(3000)
+    assert pool.capacity == 4096
+    short = pool.acquire(10)  # the long one still runs: its slot keeps its length
+    assert (pool.slots, pool.capacity) == (2, 4096)
+    pool.release(long)
+    pool.release(short)
+    pool.acquire(10)
+    assert (pool.slots, pool.capacity) == (1, 64)
+
+
 def _alone(model, ids: list[int], new: int) -> list[int]:
     return list(decode_tokens(model, ids, GenerationParams(max_new_tokens=new), set()))
 

@@ -150,13 +150,16 @@ class KVPool:
     :class:`PreallocatedLayer` s bound to ``[slot : slot + 1]`` views.
 
     Why: with a cache per row, an 8-row SmolLM2 step spent about 7 of its 38 ms in 240 attention calls (30
-    layers x 8 rows) and as much again in their copies and concatenations (bf16, AMD EPYC, 2 threads);
-    pooled, a layer writes the rows' new keys with one indexed copy and attends over them in one call.
+    layers x 8 rows) and more in their appends, slicing and concatenations (bf16, AMD EPYC, 2 threads);
+    pooled, a layer writes the rows' new keys with one indexed copy and attends over them in one call
+    (an 8-row step 31-33 ms; docs/results.md, "Speed on a quiet machine").
 
     Growth: a slot for each generation (slots double when none is free), the capacity of the longest one
     rounded up to a power of two (at least 64); growing copies what is written and rebinds the live caches,
-    so a step never sees it happen. A generation that would take the pool beyond ``max_bytes`` gets a cache of
-    its own (:meth:`acquire` returns None); the step attends over such a row alone.
+    so a step never sees it happen. An idle pool more than twice as long as the next generation needs
+    starts over small, so one long generation does not leave every later slot that long. A generation that
+    would take the pool beyond ``max_bytes`` gets a cache of its own (:meth:`acquire` returns None); the
+    step then attends row by row.
     Slots are given back by :meth:`release` (a cache's ``pool_release``, also run when the cache is collected).
     """
 
@@ -187,6 +190,9 @@ class KVPool:
         """A cache of at least ``capacity`` positions in a free slot (the pool grows if needed), or None if that
         would take the pool beyond ``max_bytes``."""
         with self._lock:
+            if not self._owners and capacity < self.capacity // 2:  # idle and too big: start small again
+                self.keys, self.values, self._free = [], [], []
+                self.slots = self.capacity = 0
             slots = self.slots if self._free else max(1, 2 * self.slots)
             room = self.capacity
             if capacity > room:
