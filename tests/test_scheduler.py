@@ -416,3 +416,34 @@ def test_an_embedding_request_completes_while_a_generation_runs(tiny_model_dirs,
     assert not finished_before and stats["running"] == 1 and stats["tokens"] == 3
     assert completed.status_code == 200
     assert completed.json()["choices"][0]["text"] == encoder.generate("the cat", max_new_tokens=20)
+
+
+@pytest.mark.parametrize(("budget", "groups"), [(10_000, [3]), (1, [1, 1, 1])])
+def test_requests_arriving_together_are_prefilled_together_within_the_token_budget(
+    tiny_model_dirs, monkeypatch, budget, groups
+):
+    """One turn on the model lock prefills at most ``prefill_tokens`` padded tokens (a longer prompt alone), so an
+    embedding chunk waits for at most about that; within it, one forward for all (Decoder.prefill_many). The
+    scheduler's thread builds its Decoder through the closed lock, so all three are waiting when it opens."""
+    from unimae.decoding import Decoder
+
+    model, tokenizer = _load(tiny_model_dirs["llama"])
+    prompts, params = [tokenizer(s)["input_ids"] for s in SENTENCES[:3]], GenerationParams(max_new_tokens=5)
+    expected = [_alone(model, ids, params, set()) for ids in prompts]
+    seen, prefill_many = [], Decoder.prefill_many
+
+    def spy(self, states, budget=None):
+        seen.append(len(states))
+        return prefill_many(self, states, budget)
+
+    monkeypatch.setattr(Decoder, "prefill_many", spy)
+    lock = GatedLock()
+    scheduler = GenerationScheduler(model, "fp32", 8, lock, prefill_tokens=budget)
+    scheduler.start()
+    try:
+        streams = [scheduler.submit(ids, params, set()) for ids in prompts]
+        lock.open()
+        assert [list(tokens) for tokens in streams] == expected
+    finally:
+        scheduler.stop()
+    assert seen == groups

@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from queue import SimpleQueue
 
-from unimae.decoding import Decoder, DecodeState
+from unimae.decoding import Decoder, DecodeState, padded_groups
 from unimae.generation import GenerationParams
 from unimae.serving.model_lock import ModelLock
 
@@ -89,14 +89,25 @@ class _Request:
 class GenerationScheduler:
     """Decodes the submitted generations of ``model`` together, at most ``max_batch`` at a time.
 
-    ``lock``: the model lock shared with the embedding batcher (a fresh one if not given). :meth:`start` starts
-    the thread, :meth:`stop` ends it; :meth:`submit` is refused before and after.
+    ``lock``: the model lock shared with the embedding batcher (a fresh one if not given). ``prefill_tokens``: the
+    most padded prompt tokens prefilled in one turn on the lock (a longer prompt alone), so that, like an
+    embedding chunk, a prefill keeps the others waiting for a bounded time (the server passes
+    ``--embed-chunk-tokens``). :meth:`start` starts the thread, :meth:`stop` ends it; :meth:`submit` is refused
+    before and after.
     """
 
-    def __init__(self, model, precision: str = "fp32", max_batch: int = 8, lock: ModelLock | None = None):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    def __init__(
+        self,
+        model,
+        precision: str = "fp32",
+        max_batch: int = 8,
+        lock: ModelLock | None = None,
+        prefill_tokens: int = 512,
+    ):
+        if max_batch < 1 or prefill_tokens < 1:
+            raise ValueError(f"max_batch and prefill_tokens must be >= 1, got {max_batch} and {prefill_tokens}")
         self.model, self.precision, self.max_batch = model, precision, max_batch
+        self.prefill_tokens = prefill_tokens
         self.lock = lock or ModelLock()
         self.stats = SchedulerStats()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -179,9 +190,10 @@ class GenerationScheduler:
         try:
             decoder = self.lock.call(Decoder, self.model, self.precision)  # packs bf16 weights on the model's thread
             while (arrivals := self._arrivals()) is not None:
-                if arrivals:
-                    self._prefill(decoder, arrivals)
-                    arrivals = []
+                groups = padded_groups([len(r.input_ids) for r in arrivals], self.prefill_tokens)
+                for group in [[arrivals[i] for i in g] for g in groups]:
+                    self._prefill(decoder, group)  # one turn on the model lock each
+                    arrivals = [r for r in arrivals if r not in group]
                 self._step(decoder)
         except Exception as err:  # a bug: end every generation with it rather than leave them waiting
             logger.exception("the generation scheduler stopped on an error")
@@ -237,7 +249,7 @@ class GenerationScheduler:
             except Exception as err:  # this request's fault (or its prompt's)
                 outcomes[i] = err
         try:
-            tokens = decoder.prefill_many([requests[i].state for i in started])
+            tokens = decoder.prefill_many([requests[i].state for i in started], self.prefill_tokens)
         except Exception as err:
             if len(started) == 1:
                 outcomes[started[0]] = err

@@ -64,7 +64,9 @@ class ServerState:
         scheduler = None
         running = config.max_concurrent_generations
         if config.continuous_batching:
-            scheduler = GenerationScheduler(encoder.model, encoder.precision, config.max_batch_generations, lock)
+            scheduler = GenerationScheduler(
+                encoder.model, encoder.precision, config.max_batch_generations, lock, config.embed_chunk_tokens
+            )
             running = config.max_batch_generations
         state = cls(
             encoder=encoder,
