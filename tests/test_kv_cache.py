@@ -97,7 +97,7 @@ def test_prefill_many_runs_one_forward_and_gives_each_prompts_first_token(tiny_m
     decoder = Decoder(model)
     states = [decoder.start(ids, GenerationParams(max_new_tokens=6), set()) for ids in prompts]
     calls = []
-    hook = model.register_forward_hook(
+    hook = model.get_decoder().register_forward_hook(  # the decoder layers run once
         lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape), with_kwargs=True
     )
     try:

@@ -247,8 +247,7 @@ class LlamaStep:
     identical in fp32).
     """
 
-    def __init__(self, model, packed: bool, pool: KVPool | None = None):
-        self.pool = pool
+    def __init__(self, model, packed: bool, pooled: bool = False):
         decoder = model.get_decoder()
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = _projection([model.get_output_embeddings()], packed)
@@ -271,6 +270,8 @@ class LlamaStep:
                     act=mlp.act_fn,
                 )
             )
+        first, device = self.layers[0], next(model.parameters()).device
+        self.pool = KVPool(len(self.layers), first.kv_heads, first.head_dim, device) if pooled else None
 
     @staticmethod
     def supports_model(model) -> bool:
@@ -424,13 +425,10 @@ class Decoder:
             packed_linears(model)
         contiguous_head_input(model)
         self.pool = self.lean = None
-        if LlamaStep.supports_model(model):
-            if all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers):
-                config = model.config
-                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-                kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-                self.pool = KVPool(config.num_hidden_layers, kv_heads, head_dim, self.device)
-            self.lean = LlamaStep(model, self.packed, self.pool)
+        if LlamaStep.supports_model(model):  # a pool only where every layer attends over all positions
+            full = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+            self.lean = LlamaStep(model, self.packed, pooled=full)
+            self.pool = self.lean.pool
         self.kv_dtype = torch.float32 if self.lean is not None else None  # the lean step attends in fp32
 
     def start(self, input_ids: list[int], params: GenerationParams, eos_ids: set[int], past_key_values=None):
@@ -474,15 +472,16 @@ class Decoder:
         mask = torch.zeros_like(ids)  # (B, T) 1 = a prompt token
         for row, (state, n) in enumerate(zip(states, lengths, strict=True)):
             ids[row, :n], mask[row, :n] = state.feed[0], 1
-        keep = sorted({n - 1 for n in lengths})  # the positions whose logits some row needs
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor(keep)
-        )  # logits (B, len(keep), V)
+        hidden = self.model.get_decoder()(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True
+        ).last_hidden_state  # (B, T, D)
+        last = hidden[torch.arange(len(states)), torch.tensor(lengths) - 1]  # (B, D) each row's last prompt token
+        logits = self.model.get_output_embeddings()(last[:, None])[:, 0]  # (B, V): the head on B rows only
         for row, (state, n) in enumerate(zip(states, lengths, strict=True)):
             for layer, source in zip(state.cache.layers, cache.layers, strict=True):
                 layer.append(source.keys[row : row + 1, :, :n], source.values[row : row + 1, :, :n])
-        return [out.logits[row : row + 1, keep.index(n - 1)] for row, n in enumerate(lengths)]
+        return [logits[row : row + 1] for row in range(len(states))]
 
     def step(self, states: list[DecodeState]) -> list[int]:
         """One new token for each of ``states`` (prefilled, not finished), in one forward where it can."""

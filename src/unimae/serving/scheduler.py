@@ -85,6 +85,12 @@ class _Request:
     def gone(self) -> bool:
         return self.closed or self.cancel.is_set()
 
+    def begin(self, decoder: Decoder) -> None:
+        """A fresh decode state (cache with the prefix copied in), giving back a previous one's pool slot."""
+        if self.state is not None:
+            self.state.close()
+        self.state = decoder.start(self.input_ids, self.params, self.eos_ids, self.prefix)
+
 
 class GenerationScheduler:
     """Decodes the submitted generations of ``model`` together, at most ``max_batch`` at a time.
@@ -244,7 +250,7 @@ class GenerationScheduler:
             if request.gone():
                 continue
             try:
-                request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
+                request.begin(decoder)
                 started.append(i)
             except Exception as err:  # this request's fault (or its prompt's)
                 outcomes[i] = err
@@ -263,8 +269,7 @@ class GenerationScheduler:
     def _prefill_alone(decoder: Decoder, request: _Request) -> int | Exception:
         """``request``'s prefill on its own, from a fresh cache -> its first token or its error."""
         try:
-            request.state.close()
-            request.state = decoder.start(request.input_ids, request.params, request.eos_ids, request.prefix)
+            request.begin(decoder)
             return decoder.prefill(request.state)
         except Exception as err:
             return err
