@@ -50,6 +50,7 @@ from unimae.kv_cache import (  # noqa: F401  (PreallocatedLayer, reusable_prefix
     preallocated,
     reusable_prefix,
     start_cache,
+    with_cache,
 )
 from unimae.precision import autocast
 
@@ -474,7 +475,7 @@ class Decoder:
             ids[row, :n], mask[row, :n] = state.feed[0], 1
         cache = DynamicCache(config=self.model.config)
         hidden = self.model.get_decoder()(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True
+            input_ids=ids, attention_mask=mask, **with_cache(cache)
         ).last_hidden_state  # (B, T, D)
         last = hidden[torch.arange(len(states)), torch.tensor(lengths) - 1]  # (B, D) each row's last prompt token
         logits = self.model.get_output_embeddings()(last[:, None])[:, 0]  # (B, V): the head on B rows only
@@ -498,7 +499,7 @@ class Decoder:
 
     def _forward(self, state: DecodeState) -> torch.Tensor:
         """The model's own forward of ``state.feed`` -> last-position logits (1, V)."""
-        out = self.model(input_ids=state.feed, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=state.feed, logits_to_keep=1, **with_cache(state.cache))
         return out.logits[:, -1]
 
 

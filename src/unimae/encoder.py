@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from unimae.adapter import embedding_spec, load_with_adapter, skip_input_upcast
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.generation import GenerationParams, generate_text
+from unimae.kv_cache import returned_cache
 from unimae.pooling import PooledInput, pool
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
 from unimae.runtime import tune_allocator
@@ -181,12 +182,14 @@ class Encoder:
         item = self.spec.build_inputs(self.tokenizer, [text], self.max_length)[0]
         ids = torch.tensor([item.ids], device=self.device)  # (1, T)
         with autocast(self.precision, self.device):
-            out = self.model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+            out = self.model.get_decoder()(
+                input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True
+            )  # (1, T, D)
         pool_mask = torch.tensor([item.pool], device=self.device)  # (1, T)
         vector = pool(out.last_hidden_state, pool_mask)  # (1, D)
         if normalize:
             vector = torch.nn.functional.normalize(vector, dim=-1)
-        return vector[0].cpu().numpy(), list(item.ids), out.past_key_values
+        return vector[0].cpu().numpy(), list(item.ids), returned_cache(out)
 
     def adapter_disabled(self):
         """Context manager: run the base model without the adapter (no-op without one)."""

@@ -21,6 +21,21 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# The forward keyword (and output field) of a KV cache: ``cache`` from transformers 5.2x on, where
+# ``past_key_values`` still works with a FutureWarning until its removal in 5.40; ``past_key_values`` before.
+CACHE = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def with_cache(cache) -> dict:
+    """The keyword arguments that hand ``cache`` to a transformers forward: ``model(ids, **with_cache(cache))``."""
+    return {CACHE: cache, "use_cache": True}
+
+
+def returned_cache(output):
+    """The KV cache a transformers forward returned (``output.cache`` or, before 5.2x, ``past_key_values``)."""
+    return getattr(output, CACHE)
 
 
 class PreallocatedLayer(DynamicLayer):
