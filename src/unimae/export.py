@@ -166,7 +166,8 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     tokenizer.save_pretrained(transformer_dir)
     word = models.Transformer(str(transformer_dir), max_seq_length=max_length)
     mode = "lasttoken" if spec.pooling == "eos" else "mean"
-    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode=mode)
+    width = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # renamed in 6.x
+    pooling = models.Pooling(width(), pooling_mode=mode)
     SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine").save(str(out))
     shutil.rmtree(transformer_dir)
     add_legacy_pooling_keys(out, mode)
