@@ -13,8 +13,9 @@
 # Results: the final adapter is the row `retrieval-eos` in OUT (results/retrieval-<smollm2|gemma3>), and
 # OUT/summary.json puts it next to `unimae-eos`, `base-echo` and `all-MiniLM-L6-v2` as scored in DEV
 # (results/dev-<smollm2|gemma3>, by recipes/table1.sh from the same RUNS/unimae adapter; read there, not
-# re-scored). The generation suite (every item) goes to results/generation-<short>/retrieval, and the RAG
-# benchmark (one model vs MiniLM + the same LLM) into results/rag-benchmark.json.
+# re-scored). The RAG benchmark (one model vs MiniLM + the same LLM) goes into results/rag-benchmark.json, and
+# the generation suite (every item) to results/generation-<short>/retrieval, the base model's beside it in
+# results/generation-<short>/base-full-scorer (SmolLM2: about 64 min for the adapter on AMD EPYC).
 # Environment: RUNS, OUT, DEV, PAIRS (folder for the wiki pairs built here; outside the repository),
 # SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (80), SUP_BATCH (256), SUP_CHUNK
 # (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
@@ -22,7 +23,7 @@
 # UNIMAE_FLAGS (extra flags for that stage, e.g. "--p-mar 0.5"), UNIMAE_LABEL (its row in DEV, unimae-eos),
 # SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), WIKI (1: add inverse-cloze
 # pairs from pretrain/; 0: only the 8 files of train/), TASKS (dev suite by default; "" skips evaluation),
-# RAG_QUESTIONS (20; 0 skips the RAG benchmark).
+# RAG_QUESTIONS (20; 0 skips the RAG benchmark), GENERATION (1; 0 skips the generation suites).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -95,11 +96,14 @@ if [ -n "$TASKS" ]; then
   $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
     "unimae-eos=$DEV/$UNIMAE_LABEL" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
 fi
-if [ "$GENERATION" = 1 ] && [ ! -f "results/generation-$SHORT/retrieval/generation.json" ]; then
-  $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
-    --output-dir "results/generation-$SHORT/retrieval"
-fi
 if [ "$RAG_QUESTIONS" -gt 0 ]; then
   $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$final" --skip-server \
     --questions "$RAG_QUESTIONS" --output "$OUT/rag.json"
+fi
+# The generation suite (every item) of the final adapter, then of the base model it is compared with (the
+# unimae scorer for both); each task is skipped once written, so a stopped suite resumes.
+if [ "$GENERATION" = 1 ]; then
+  $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
+    --output-dir "results/generation-$SHORT/retrieval"
+  $UNIMAE evaluate generation --model "$MODEL" --data-dir "$DATA" --output-dir "results/generation-$SHORT/base-full-scorer"
 fi
