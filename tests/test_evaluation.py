@@ -326,7 +326,8 @@ def test_a_suite_stopped_between_tasks_resumes_after_the_finished_ones(tiny_enco
     tasks = ["STSBenchmark", "STS17"]
     with pytest.raises(KeyboardInterrupt):
         evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
-    assert set(json.loads((tmp_path / "m" / "run.json").read_text())["tasks"]) == {"STSBenchmark"}
+    record = json.loads((tmp_path / "m" / "run.json").read_text())
+    assert set(record["tasks"]) == set(record["task_cpu_models"]) == {"STSBenchmark"}  # each runtime's machine
     resumed = evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
     assert set(resumed.runtimes) == {"STS17"} and set(resumed.scores) == set(tasks)
 
@@ -492,7 +493,10 @@ def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp
     monkeypatch.setattr(generation, "_run_tasks", counting)
     both = run(["piqa", "arc_easy"], 2)
     assert ran == ["arc_easy"] and both["results"]["piqa"] == first["results"]["piqa"]
-    assert set(json.loads((tmp_path / "generation.json").read_text())["results"]) == {"piqa", "arc_easy"}
+    summary = json.loads((tmp_path / "generation.json").read_text())
+    assert set(summary["results"]) == {"piqa", "arc_easy"}
+    cpus = {json.loads((tmp_path / "tasks" / f"{t}.json").read_text())["cpu_model"] for t in ("piqa", "arc_easy")}
+    assert summary["cpu_models"] == sorted(c or "not recorded" for c in cpus)  # wall times are per machine
     run(["piqa"], 3)  # another limit: run again, record replaced
     assert ran == ["arc_easy", "piqa"]
     assert json.loads((tmp_path / "tasks" / "piqa.json").read_text())["n_samples"]["effective"] == 3

@@ -18,6 +18,7 @@ from pathlib import Path
 from unimae.adapter import adapter_revision, model_revision
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
 from unimae.files import atomic_write, atomic_write_json
+from unimae.runtime import cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,7 @@ def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun) -
     Runs of the same label on other tasks add to its record; a task run again replaces its entry.
     """
     runtimes = {**previous.get("tasks", {}), **run.runtimes}
+    cpus = {**previous.get("task_cpu_models", {}), **dict.fromkeys(run.runtimes, cpu_model())}  # runtimes are per machine
     errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
     atomic_write_json(
         out / "run.json",
@@ -257,6 +259,7 @@ def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun) -
             "label": run.label,
             "versions": versions(),
             "tasks": runtimes,
+            "task_cpu_models": cpus,
             "errors": errors,
         },
     )

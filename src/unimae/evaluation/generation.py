@@ -177,6 +177,7 @@ def evaluate_generation(
     summary = {
         **meta,
         "seconds": round(sum(done[t]["seconds"] for t in tasks), 1),
+        "cpu_models": sorted({done[t].get("cpu_model") or "not recorded" for t in tasks}),  # tasks may be reused
         "versions": {**versions(), "lm_eval": lm_eval.__version__},
         "results": {t: done[t]["result"] for t in tasks},
         "n_samples": {t: done[t]["n_samples"] for t in tasks},
@@ -212,6 +213,7 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
 
     from unimae.adapter import load_with_adapter
     from unimae.precision import default_device, weight_dtype
+    from unimae.runtime import cpu_model
 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
@@ -239,6 +241,7 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
         records[task] = {
             "meta": meta,
             "seconds": round(time.perf_counter() - start, 1),
+            "cpu_model": cpu_model(),  # wall times are per machine
             "result": {**results.get("groups", {}), **results["results"]}.get(name),
             "n_samples": results.get("n-samples", {}).get(name),
         }
