@@ -328,8 +328,15 @@ def test_a_suite_stopped_between_tasks_resumes_after_the_finished_ones(tiny_enco
         evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
     record = json.loads((tmp_path / "m" / "run.json").read_text())
     assert set(record["tasks"]) == set(record["task_cpu_models"]) == {"STSBenchmark"}  # each runtime's machine
+    assert set(record["task_versions"]) == {"STSBenchmark"}
     resumed = evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
     assert set(resumed.runtimes) == {"STS17"} and set(resumed.scores) == set(tasks)
+    # a later run that only reuses the records keeps the packages they came from
+    monkeypatch.setattr("unimae.evaluation.embeddings.versions", lambda: {"transformers": "99.0"})
+    reused = evaluate_embeddings("m", tasks, tmp_path, data_dir=data_slice, label="m", encoder=tiny_encoder)
+    final = json.loads((tmp_path / "m" / "run.json").read_text())
+    assert not reused.runtimes and final["versions"] == record["versions"] != {"transformers": "99.0"}
+    assert set(final["task_versions"]) == set(tasks)
 
 
 def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder, tmp_path):

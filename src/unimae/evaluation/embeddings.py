@@ -247,19 +247,25 @@ def same_run(previous: dict, meta: dict, defaults: dict | None = None) -> bool:
 def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun) -> None:
     """``run.json``: the model's ``meta`` and the runtimes and errors of every task evaluated under the label.
 
-    Runs of the same label on other tasks add to its record; a task run again replaces its entry.
+    Runs of the same label on other tasks add to its record; a task run again replaces its entry. Each task
+    keeps the CPU its runtime was measured on (``task_cpu_models``) and the packages its score came from
+    (``task_versions``); ``versions`` are those of the latest run that evaluated a task (a run that only
+    reused records leaves them as they were).
     """
+    now = versions()
     runtimes = {**previous.get("tasks", {}), **run.runtimes}
     cpus = {**previous.get("task_cpu_models", {}), **dict.fromkeys(run.runtimes, cpu_model())}  # runtimes are per machine
+    task_versions = {**previous.get("task_versions", {}), **{name: now for name in run.runtimes}}
     errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
     atomic_write_json(
         out / "run.json",
         {
             **meta,
             "label": run.label,
-            "versions": versions(),
+            "versions": now if run.runtimes else previous.get("versions", now),
             "tasks": runtimes,
             "task_cpu_models": cpus,
+            "task_versions": task_versions,
             "errors": errors,
         },
     )
