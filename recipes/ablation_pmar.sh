@@ -30,4 +30,4 @@ for p in $P_MARS; do
 done
 # shellcheck disable=SC2086
 $UNIMAE evaluate summary --output-dir "$OUT" --labels "${labels[@]}" --tasks $TASKS
-.venv/bin/python recipes/plot_ablation.py "$OUT/summary.json" "$OUT/pmar.png"
+${PYTHON:-.venv/bin/python} recipes/plot_ablation.py "$OUT/summary.json" "$OUT/pmar.png"
