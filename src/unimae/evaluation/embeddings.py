@@ -254,7 +254,8 @@ def write_run_record(out: Path, meta: dict, previous: dict, run: EmbeddingRun) -
     """
     now = versions()
     runtimes = {**previous.get("tasks", {}), **run.runtimes}
-    cpus = {**previous.get("task_cpu_models", {}), **dict.fromkeys(run.runtimes, cpu_model())}  # runtimes are per machine
+    # runtimes are per machine
+    cpus = {**previous.get("task_cpu_models", {}), **dict.fromkeys(run.runtimes, cpu_model())}
     task_versions = {**previous.get("task_versions", {}), **{name: now for name in run.runtimes}}
     errors = {k: v for k, v in {**previous.get("errors", {}), **run.errors}.items() if k not in run.scores}
     atomic_write_json(

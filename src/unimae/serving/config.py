@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 class ServerConfig:
     """Limits and behaviour of ``unimae serve`` (each is a ``--flag``)."""
 
-    model_name: str = field(default="unimae", metadata={"help": "Model id the API reports and accepts; the CLI uses the model's name or path unless given."})
+    model_name: str = field(
+        default="unimae",
+        metadata={"help": "Model id the API reports and accepts; the CLI uses the model's name or path unless given."},
+    )
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (not /health)."})
     max_inputs: int = field(default=256, metadata={"help": "Most texts in one embeddings request."})
     on_too_long: str = field(
