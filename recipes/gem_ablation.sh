@@ -14,7 +14,7 @@
 # Environment: MODEL, K_VALUES (the grid), STEPS, SWITCH (NTP steps), BATCH, MICRO, MAX_LENGTH, TRAIN_DATA,
 # TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS, OUT, TRAIN_FLAGS (extra
 # `unimae train` flags for every run, e.g. "--gem-summary-tokens spare" or "--gem-prefix-dropout 0.1").
-# Resumable: a finished run (its adapter exists) is not retrained, an interrupted one continues from its last
+# Resumable (recipes/train_run.sh): a finished run is not retrained, an interrupted one continues from its last
 # checkpoint, and finished tasks are not evaluated again.
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
@@ -23,6 +23,8 @@ TRAIN_DATA=${TRAIN_DATA:-$DATA/pretrain/wikipedia_paragraphs.jsonl}
 RUNS=${RUNS:-runs/$MODEL-gem}
 OUT=${OUT:-results/ablation-gem-k-$MODEL}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
+# shellcheck source=recipes/train_run.sh
+source "$(dirname "$0")/train_run.sh"
 TASKS=${TASKS:-dev}
 K_VALUES=${K_VALUES:-1 2 5 10}
 STEPS=${STEPS:-1000}
@@ -33,14 +35,10 @@ MAX_LENGTH=${MAX_LENGTH:-64}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 for k in $K_VALUES; do
   run="$RUNS/k$k"
-  if [ ! -f "$run/adapter/adapter_config.json" ]; then
-    resume=()
-    if [ -d "$run/checkpoints" ]; then resume=(--resume); fi
-    # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
-    $UNIMAE train --model "$MODEL" --method gem --data "$TRAIN_DATA" --num-summary-tokens "$k" --steps "$STEPS" \
-      --gem-switch-step "$SWITCH" --batch-size "$BATCH" --micro-batch-size "$MICRO" --max-length "$MAX_LENGTH" \
-      $TRAIN_FLAGS "${resume[@]}" --output-dir "$run"
-  fi
+  # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
+  train_run "$run" --model "$MODEL" --method gem --data "$TRAIN_DATA" --num-summary-tokens "$k" --steps "$STEPS" \
+    --gem-switch-step "$SWITCH" --batch-size "$BATCH" --micro-batch-size "$MICRO" --max-length "$MAX_LENGTH" \
+    $TRAIN_FLAGS
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks $TASKS --data-dir "$DATA" \
     --output-dir "$OUT" --label "k=$k"

@@ -7,8 +7,9 @@
 # SimCSE 60 steps 524 s, supervised 80 steps of batch 256 5,334 s (1.46M tokens, 274 tokens/s; 67 s/step, wiki and
 # medquad batches ~100 s). Evaluation after it: about 40 min (dev suite, SciFact most of it) + a few minutes (RAG).
 # See docs/methods.md, "Supervised contrastive".
-# Every stage resumes: a finished stage (its adapter exists) is skipped, an interrupted one continues from
-# its newest checkpoint (rerun the script), finished evaluation tasks are skipped.
+# Every stage resumes (recipes/train_run.sh): a finished stage is skipped, an interrupted one continues from
+# its newest checkpoint (rerun the script), a larger SUP_STEPS lengthens a finished supervised stage, and
+# finished evaluation tasks are skipped.
 # The UniMAE and SimCSE stages are the runs of recipes/table1.sh (same RUNS folder and names): shared.
 # Results: the final adapter is the row `retrieval-eos` in OUT (results/retrieval-<smollm2|gemma3>), and
 # OUT/summary.json puts it next to `unimae-eos`, `base-echo` and `all-MiniLM-L6-v2` as scored in DEV
@@ -49,14 +50,11 @@ TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
 GENERATION=${GENERATION:-1}
 
-train() {  # name, then train flags; resumes an interrupted run
+# shellcheck source=recipes/train_run.sh
+source "$(dirname "$0")/train_run.sh"
+train() {  # name, then train flags (see train_run.sh: resumes an interrupted run, skips a finished one)
   local name=$1; shift
-  if [ -f "$RUNS/$name/adapter/adapter_config.json" ]; then return; fi
-  if [ -d "$RUNS/$name/checkpoints" ] && [ -n "$(ls -A "$RUNS/$name/checkpoints")" ]; then
-    $UNIMAE train --resume --output-dir "$RUNS/$name"
-  else
-    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" "$@"
-  fi
+  train_run "$RUNS/$name" --model "$MODEL" "$@"
 }
 
 # Supervised pairs: the 8 files of train/ (none from the dev-suite tasks; not STSBenchmark train, which leaks

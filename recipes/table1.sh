@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The paper's Table 1 (dev suite) for one base model: MEAN, ECHO, MNTP, UniMAE, MNTP+SimCSE,
 # UniMAE+SimCSE, GEM, and all-MiniLM-L6-v2 as the reference row. Each row trains (if needed) and is then
-# evaluated, so rows land one by one. Every stage resumes: rerunning skips finished training runs (their
-# adapter exists) and finished tasks (their JSON exists for the same model, adapter and pooling).
+# evaluated, so rows land one by one. Every stage resumes: rerunning skips finished training runs
+# (recipes/train_run.sh), continues interrupted ones, and skips finished tasks (their JSON exists for the
+# same model, adapter and pooling).
 #   MODEL=smollm2-135m bash recipes/table1.sh        (about 8 h on 2 CPU cores with TASKS=dev)
 #   MODEL=gemma3-270m  bash recipes/table1.sh
 # Environment: TASKS (default "dev"; a space-separated task list for a cheaper run), RUNS (training
@@ -24,14 +25,12 @@ GEM_SWITCH=${GEM_SWITCH:-100}
 SIMCSE_STEPS=${SIMCSE_STEPS:-60}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}
 
-train() {  # name, then train flags; an interrupted run (checkpoints, no adapter) resumes
+# shellcheck source=recipes/train_run.sh
+source "$(dirname "$0")/train_run.sh"
+train() {  # name, then train flags (see train_run.sh: resumes an interrupted run, skips a finished one)
   local name=$1; shift
-  if [ ! -f "$RUNS/$name/adapter/adapter_config.json" ]; then
-    local resume=()
-    if [ -d "$RUNS/$name/checkpoints" ]; then resume=(--resume); fi
-    # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
-    $UNIMAE train --model "$MODEL" --output-dir "$RUNS/$name" $TRAIN_FLAGS "$@" "${resume[@]}"
-  fi
+  # shellcheck disable=SC2086  # TRAIN_FLAGS is a word list on purpose
+  train_run "$RUNS/$name" --model "$MODEL" $TRAIN_FLAGS "$@"
 }
 evaluate() {  # label, then evaluate flags
   local label=$1; shift

@@ -70,6 +70,24 @@ def test_corrupt_checkpoint_falls_back_to_older(tiny_dir, corpus_file, tmp_path)
     assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5]
 
 
+def test_resuming_a_finished_run_returns_at_once_and_more_steps_continue_it(
+    tiny_dir, corpus_file, tmp_path, monkeypatch
+):
+    """Recipes resume every run that has checkpoints: a finished one must not load its model or rewrite its
+    adapter; asked for more steps, it goes on as the longer run would have."""
+    out = tmp_path / "run"
+    train(_config(tiny_dir, corpus_file, out, steps=2))
+    adapter = out / "adapter" / "adapter_model.safetensors"
+    written = adapter.stat().st_mtime_ns
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "_setup", lambda *a, **k: pytest.fail("a finished run loaded its model"))
+        result = train(_config(tiny_dir, corpus_file, out, steps=2), resume=True)
+    assert result.already_finished and result.steps == 2 and adapter.stat().st_mtime_ns == written
+    longer = train(_config(tiny_dir, corpus_file, out, steps=3), resume=True)
+    assert longer.steps == 3 and not longer.already_finished and [r["step"] for r in _log(out)] == [1, 2, 3]
+    assert json.loads((out / "adapter" / "unimae.json").read_text())["trained_steps"] == 3
+
+
 def test_resume_drops_a_log_line_cut_off_by_a_crash(tiny_dir, corpus_file, tmp_path):
     out = tmp_path / "run"
     train(_config(tiny_dir, corpus_file, out, steps=2))

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from unimae.adapter import (
     INIT_ADAPTER,
+    adapter_meta,
     attach_adapter,
     base_fingerprint,
     embedding_spec,
@@ -73,6 +74,7 @@ class TrainResult:
     steps: int  # optimizer steps done in all, resumed ones included
     interrupted: bool  # stopped by a signal before config.steps
     seconds: float  # this call's loop and saving (not model loading, not earlier sittings of a resumed run)
+    already_finished: bool = False  # resumed a run that had nothing left to do (nothing was loaded or written)
 
 
 class _StopFlag:
@@ -360,8 +362,8 @@ def _save_checkpoint(run: _Run, step: int) -> None:
 
 def _save_adapter(run: _Run, step: int) -> Path:
     """Write the adapter (or full model), its unimae.json and, with ``--merge``, a merged HF folder."""
-    config, out = run.config, Path(run.config.output_dir)
-    adapter_dir = out / ("model" if config.full_params else "adapter")
+    config = run.config
+    adapter_dir = _adapter_dir(config)
     if not run.main:
         return adapter_dir
     llm = run.accelerator.unwrap_model(run.objective).llm
@@ -383,7 +385,7 @@ def _save_adapter(run: _Run, step: int) -> Path:
         training_config=config.to_dict(),
     )
     if config.merge and not config.full_params:
-        save_merged(config.model, adapter_dir, out / "merged")
+        save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
     return adapter_dir
 
 
@@ -408,6 +410,17 @@ def _earlier_run(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _adapter_dir(config: TrainConfig) -> Path:
+    return Path(config.output_dir) / ("model" if config.full_params else "adapter")
+
+
+def _finished(out: Path, config: TrainConfig, step: int) -> bool:
+    """Whether the run in ``out`` is done: its newest checkpoint is at ``config.steps`` or later and its adapter
+    was saved at that step. (An interrupted run saves its adapter too, at the step it stopped, so an adapter
+    alone does not mean the run finished: its ``unimae.json`` says how many steps it holds.)"""
+    return step >= config.steps and adapter_meta(_adapter_dir(config)).get("trained_steps") == step
+
+
 def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Run (or resume) training as configured; returns where the adapter was written.
 
@@ -422,6 +435,8 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
             f"`unimae train --resume --output-dir {out}`, start it over with --overwrite, or pass another --output-dir"
         )
     state = load_latest_checkpoint(out) if resume else None
+    if state is not None and _finished(out, config, state["step"]):  # nothing left: no model to load
+        return TrainResult(out, _adapter_dir(config), state["step"], False, 0.0, already_finished=True)
     run = _setup(config, state)
     if earlier is not None:
         for name in _RUN_OUTPUTS:

@@ -32,7 +32,7 @@ def _train(args: argparse.Namespace) -> int:
         {k: v for k, v in vars(args).items() if k not in ("command", "resume", "overwrite", "func")}
     )
     result = train(config, resume=args.resume, overwrite=args.overwrite)
-    state = "interrupted at" if result.interrupted else "finished"
+    state = "interrupted at" if result.interrupted else "already finished at" if result.already_finished else "finished"
     print(f"\n{state} step {result.steps}/{config.steps} in {result.seconds:.0f} s")
     print(f"adapter:    {result.adapter_dir}")
     print(f"log:        {result.output_dir / 'log.jsonl'}")
