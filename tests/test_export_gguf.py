@@ -128,12 +128,12 @@ def merged_tiny(tiny_model_dirs, tmp_path_factory):
         patch.setenv("UNIMAE_CACHE", str(root / "cache"))
         return {
             arch: (str(tiny_model_dirs[arch]), _adapter(str(tiny_model_dirs[arch]), root / arch))
-            for arch in ("llama", "qwen2")
+            for arch in ("llama", "qwen2", "gemma3")
         }
 
 
 @pytest.mark.parametrize("gguf_type", ["f32", "f16", "bf16", "q8_0"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_gguf_export_embeds_like_unimae_in_llama_cpp(merged_tiny, arch, gguf_type, tmp_path):
     from unimae.encoder import Encoder
     from unimae.export import export
@@ -145,7 +145,7 @@ def test_gguf_export_embeds_like_unimae_in_llama_cpp(merged_tiny, arch, gguf_typ
     _assert_agrees(server, encoder, TEXTS, MIN_COSINE[gguf_type])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_gguf_f32_greedy_generation_is_identical(merged_tiny, arch, tmp_path):
     from unimae.encoder import Encoder
     from unimae.export import export
@@ -229,8 +229,29 @@ def test_gguf_export_bad_arguments(tiny_model_dirs, tmp_path):
     (tmp_path / "taken.gguf").write_bytes(b"x")
     with pytest.raises(FileExistsError, match="taken.gguf exists"):
         export(base, None, tmp_path / "taken.gguf", fmt="gguf")
-    with pytest.raises(ValueError, match="supports model types.*not 'gemma3_text'"):
-        export(str(tiny_model_dirs["gemma3"]), None, tmp_path / "gemma.gguf", fmt="gguf")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"query_pre_attn_scalar": 32}, "query_pre_attn_scalar 32 != head_dim 16"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "every 6th layer global"),
+        ({"final_logit_softcapping": 30.0}, "soft-capping"),
+    ],
+    ids=["query-scale", "layer-types", "softcap"],
+)
+def test_gguf_export_refuses_a_gemma3_config_llama_cpp_cannot_express(tiny_model_dirs, tmp_path, change, message):
+    """llama.cpp's gemma3 graph fixes the layer pattern, the sliding layers' rotary base and the query scale."""
+    import shutil
+
+    from unimae.export import export
+
+    base = tmp_path / "gemma"
+    shutil.copytree(tiny_model_dirs["gemma3"], base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        export(str(base), None, tmp_path / "gemma.gguf", fmt="gguf")
     assert not (tmp_path / "gemma.gguf").exists()
 
 
@@ -257,7 +278,7 @@ def base_gguf(merged_tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("lora_type", ["f32", "f16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_gguf_lora_on_the_base_gguf_works_like_the_merged_export_in_llama_cpp(
     merged_tiny, base_gguf, arch, lora_type, tmp_path
 ):
@@ -423,6 +444,32 @@ def test_smollm2_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
         del server
     out = export("smollm2-135m", adapter, tmp_path / "q8_0.gguf", fmt="gguf", gguf_type="q8_0")
     _assert_agrees(_server(out), encoder, TEXTS, MIN_COSINE["q8_0"])
+
+
+@pytest.mark.integration
+def test_gemma3_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
+    """Gemma-3-270M + a small random LoRA (norms stored as 1 + w, sliding-window and global layers with their
+    own rotary bases): 20 texts within the cosine target at f32 and f16, including one past the 512-token
+    window, and 24 greedy tokens identical at f32."""
+    from unimae.encoder import Encoder
+    from unimae.export import merged_model
+    from unimae.gguf_export import source_gguf, write_gguf
+
+    monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
+    adapter = _adapter("gemma3-270m", tmp_path / "adapter", scale=0.02)
+    encoder = Encoder.from_pretrained("gemma3-270m", adapter=adapter, precision="fp32", max_length=700)
+    merged, tokenizer = merged_model("gemma3-270m", adapter)
+    long_text = " ".join(SENTENCES) * 5  # about 590 tokens: past the 512-token sliding window
+    for gguf_type in ("f32", "f16"):
+        out = write_gguf(
+            merged, tokenizer, tmp_path / f"{gguf_type}.gguf", gguf_type, source=source_gguf("gemma3-270m")
+        )
+        server = _server(out, n_ctx=1024)
+        _assert_agrees(server, encoder, [*TEXTS[:19], long_text], MIN_COSINE[gguf_type])
+        if gguf_type == "f32":
+            ids = encoder.prompt_ids("The capital of France is")
+            assert _greedy_ids(server, ids, 24) == _hf_greedy_ids(encoder, ids, 24)
+        del server
 
 
 @pytest.fixture(scope="module")

@@ -45,11 +45,13 @@ class ArchRule:
 
     gguf_arch: str
     permute_qk: bool  # llama.cpp's LLAMA graph uses interleaved rotary pairs; HF stores half-rotation order
+    norm_shift: float = 0.0  # added to every RMSNorm weight: Gemma's norms scale by (1 + w), llama.cpp's by w
 
 
 ARCHITECTURES: dict[str, ArchRule] = {
     "llama": ArchRule("llama", permute_qk=True),
     "qwen2": ArchRule("qwen2", permute_qk=False),
+    "gemma3_text": ArchRule("gemma3", permute_qk=False, norm_shift=1.0),
 }
 
 # Hugging Face pre-tokenizers (tokenizer.json, ``pre_tokenizer``) and the llama.cpp pre-tokenizer type that
@@ -149,7 +151,7 @@ def write_gguf(
         if reader is not None:
             _copy_metadata(reader, writer)
         else:
-            _config_metadata(writer, merged.config)
+            _config_metadata(writer, merged.config, rule)
             _tokenizer_metadata(writer, tokenizer, merged.config.vocab_size)
         writer.add_file_type(int(file_type))
         if out_type == "q8_0":
@@ -216,9 +218,12 @@ def _copy_metadata(reader, writer) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub_type)
 
 
-def _config_metadata(writer, config) -> None:
-    """Architecture hyperparameters from a transformers config (Llama / Qwen2 family)."""
+def _config_metadata(writer, config, rule: ArchRule) -> None:
+    """Architecture hyperparameters from a transformers config (Llama / Qwen2 family, Gemma 3)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rule.gguf_arch == "gemma3":
+        check_gemma3_expressible(config)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_name(getattr(config, "_name_or_path", "") or config.model_type)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -236,10 +241,37 @@ def _config_metadata(writer, config) -> None:
 
 
 def _rope_theta(config) -> float:
+    """The rotary base (of the full-attention layers where layer types have their own, as Gemma 3's)."""
     theta = getattr(config, "rope_theta", None)
-    if theta is None:  # transformers >= 5 keeps it in rope_parameters
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if theta is None:  # transformers >= 5 keeps it in rope_parameters, per layer type where they differ
+        parameters = getattr(config, "rope_parameters", None) or {}
+        theta = parameters.get("full_attention", parameters).get("rope_theta", 10000.0)
     return float(theta)
+
+
+def check_gemma3_expressible(config) -> None:
+    """ValueError unless llama.cpp's gemma3 graph computes what this Gemma 3 config does. llama.cpp fixes
+    what the file cannot say: every 6th layer global and the others sliding-window, rotary base 10,000 on
+    the sliding layers without scaling, queries scaled by 1/sqrt(head_dim), no logit soft-capping."""
+    layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
+    rope = getattr(config, "rope_parameters", None) or {}
+    head_dim = config.head_dim
+    problems = {
+        "layer_types other than every 6th layer global": list(getattr(config, "layer_types", layers)) != layers,
+        "a sliding-layer rotary base other than 10000 or rotary scaling": any(
+            (rope.get(kind) or {}).get("rope_type", "default") != "default"
+            for kind in ("sliding_attention", "full_attention")
+        )
+        or float((rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)) != 10000.0,
+        f"query_pre_attn_scalar {config.query_pre_attn_scalar} != head_dim {head_dim}": config.query_pre_attn_scalar
+        != head_dim,
+        "logit soft-capping": bool(config.final_logit_softcapping or config.attn_logit_softcapping),
+    }
+    found = [name for name, bad in problems.items() if bad]
+    if found:
+        raise ValueError(
+            f"llama.cpp's gemma3 graph cannot express this Gemma 3 config ({'; '.join(found)}); export --format hf"
+        )
 
 
 def llama_cpp_pre_tokenizer(tokenizer) -> str:
@@ -349,6 +381,8 @@ def _tensors(merged, rule: ArchRule, qtype) -> Iterator[tuple[str, np.ndarray, o
             continue
         name = gguf_tensor_name(names, hf_name, config)
         array = llama_cpp_rows(hf_name, tensor.detach().float().cpu().numpy(), config, rule)
+        if rule.norm_shift and hf_name.endswith("norm.weight"):
+            array = array + np.float32(rule.norm_shift)
         yield (name, *encode_tensor(array, qtype))
 
 
