@@ -66,13 +66,13 @@ def _log(out: Path) -> list[dict]:
 # --- the gradient cache ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric):
+@pytest.mark.parametrize(("symmetric", "lm_weight"), [(False, 0.0), (True, 0.0), (False, 0.5)])
+def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric, lm_weight):
     model, tokenizer, _ = load_model(str(tiny_dir), dtype=torch.float32)
     model.train()
     records = _records(6)
     records[4]["query"] = records[1]["query"]  # a false negative to mask
-    method = _method(tokenizer, symmetric_loss=symmetric)
+    method = _method(tokenizer, symmetric_loss=symmetric, lm_weight=lm_weight)
     batch = method.collate(records, list(range(6)))
     assert batch["false_negatives"].shape == (6, 6 + 3)
 
@@ -83,7 +83,9 @@ def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric):
     expected = _grads(model)
     model.zero_grad(set_to_none=True)
 
-    cached = _method(tokenizer, symmetric_loss=symmetric, grad_cache_chunk=4).build_objective(model)
+    cached = _method(tokenizer, symmetric_loss=symmetric, lm_weight=lm_weight, grad_cache_chunk=4).build_objective(
+        model
+    )
     assert isinstance(cached, GradCacheContrastiveObjective) and cached.runs_own_backward
     calls = []
     losses = cached.forward_backward(batch, lambda t: (calls.append(1), t.backward()))
@@ -107,20 +109,39 @@ def test_grad_cache_replays_dropout(tiny_model_dirs):
     assert not torch.allclose(first, objective.embed(batch)), "dropout is active"
 
     seen = []
-    real_embed = objective.embed
+    real_hidden = objective._hidden
 
-    def embed(batch, rows=slice(None)):
-        out = real_embed(batch, rows)
-        seen.append((torch.is_grad_enabled(), out.detach().clone()))
+    def hidden(batch, rows=slice(None)):
+        out = real_hidden(batch, rows)
+        seen.append((torch.is_grad_enabled(), out[0].detach().clone()))
         return out
 
-    objective.embed = embed
+    objective._hidden = hidden
     objective.forward_backward(batch, lambda t: t.backward())
     no_grad = [z for grad, z in seen if not grad]
     with_grad = [z for grad, z in seen if grad]
     assert len(no_grad) == len(with_grad) == 5
     for a, b in zip(no_grad, with_grad, strict=True):
         assert torch.equal(a, b), "the re-run with a graph must see the same dropout masks"
+
+
+def test_lm_term_is_the_next_token_loss_of_the_positives(tiny_model_dirs):
+    """--lm-weight: the mean over the positives of each one's next-token CE (its own forward, as generation
+    sees it), added to InfoNCE with that weight; logged as "lm"."""
+    import torch.nn.functional as F
+
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    method = _method(tokenizer, lm_weight=0.5)
+    batch = method.collate(_records(6), list(range(6)))
+    out = method.build_objective(model)(batch)
+    expected = []
+    with torch.no_grad():
+        for row in range(6, 12):  # rows: 6 queries, then their 6 positives
+            ids = batch["input_ids"][row, : int(batch["attention_mask"][row].sum())]
+            expected.append(F.cross_entropy(model(ids[None]).logits[0, :-1].float(), ids[1:]))
+    assert float(out["lm"]) == pytest.approx(float(torch.stack(expected).mean()), rel=1e-5)
+    assert float(out["loss"]) == pytest.approx(float(out["contrastive"] + 0.5 * out["lm"]), rel=1e-5)
+    assert "lm" not in _method(tokenizer).build_objective(model)(batch), "off by default"
 
 
 def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, tmp_path):

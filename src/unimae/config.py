@@ -99,6 +99,14 @@ class ContrastiveOptions:
             "or a positive, reversed paraphrase pairs)."
         },
     )
+    lm_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "contrastive: add this weight x the next-token loss of the pairs' positives to InfoNCE "
+            "(GritLM's joint objective, on the positives' own text), so the adapter keeps generating; 0: off. "
+            "Costs an output-head pass over the positives' tokens."
+        },
+    )
     grad_cache_chunk: int = field(
         default=0,
         metadata={
@@ -341,7 +349,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
             raise ValueError(f"max_length must be at least 4 tokens, got {self.max_length}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        for name, least in (("save_every", 0), ("threads", 0), ("ce_chunk_size", 1), ("alpha", 0)):
+        for name, least in (("save_every", 0), ("threads", 0), ("ce_chunk_size", 1), ("alpha", 0), ("lm_weight", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.init_adapter and Path(self.init_adapter).resolve().parent == Path(self.output_dir).resolve():

@@ -102,12 +102,18 @@ def pooled_forward(
     Positions count real tokens only, so the result does not depend on the padding side. For the ``gem``
     rule the pooled tokens are the summary tokens.
     """
+    return pool(last_hidden(model, input_ids, attention_mask, pool_mask, attention), pool_mask)
+
+
+def last_hidden(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pool_mask: torch.Tensor, attention: str = "causal"
+) -> torch.Tensor:
+    """The last-layer states that :func:`pooled_forward` pools: (B, T) each -> (B, T, D)."""
     summary = pool_mask.bool() if attention == "gem" else None
     mask = model_attention_mask(attention, attention_mask, model, summary=summary)
-    hidden = model.get_decoder()(
+    return model.get_decoder()(
         input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
     ).last_hidden_state  # (B, T, D)
-    return pool(hidden, pool_mask)
 
 
 def pool(hidden: torch.Tensor, pool_mask: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from unimae.losses.contrastive import info_nce
+from unimae.losses.cross_entropy import logit_softcap
+from unimae.losses.mar import MARLoss
 from unimae.losses.objective import Objective
-from unimae.pooling import pooled_forward
+from unimae.pooling import last_hidden, pool, pooled_forward
 
 
 class SimCSEObjective(Objective):
@@ -43,16 +45,31 @@ class SimCSEObjective(Objective):
 
 
 class ContrastiveObjective(Objective):
-    """forward(batch) -> {"loss", "contrastive"}; batch rows: B queries, B positives, then K hard negatives.
+    """forward(batch) -> {"loss", "contrastive"[, "lm"]}; batch rows: B queries, B positives, then K hard negatives.
 
     Batch keys: input_ids, attention_mask, pool_mask (2B + K, T), ``num_queries`` = B, and optionally
     ``false_negatives`` (B, B + K) bool: candidates left out of query i's softmax. ``symmetric``: also each
     positive against the queries (``info_nce(..., symmetric=True)``).
+
+    ``lm_weight`` > 0 adds ``lm_weight x L_LM``, L_LM the next-token cross-entropy of the B positives (each
+    text's mean over its tokens, then the mean over texts), computed from the same forward pass as their
+    embeddings: GritLM's joint objective (Muennighoff et al. 2024, Eq. 3, ``L = L_Rep + lambda L_Gen``), here on
+    the pairs' own positives rather than separate instruction data, so that the adapter keeps generating.
     """
 
-    def __init__(self, llm: nn.Module, temperature: float = 0.05, attention: str = "causal", symmetric: bool = False):
+    def __init__(
+        self,
+        llm: nn.Module,
+        temperature: float = 0.05,
+        attention: str = "causal",
+        symmetric: bool = False,
+        lm_weight: float = 0.0,
+        ce_chunk_size: int = 1024,
+    ):
         super().__init__(llm)
         self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
+        self.lm_weight = lm_weight
+        self.ntp = MARLoss(ce_chunk_size, logit_softcap(llm.config))
 
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
         """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss."""
@@ -61,17 +78,41 @@ class ContrastiveObjective(Objective):
         return info_nce(z[:b], z[b:], self.temperature, exclude=exclude, symmetric=self.symmetric)  # (B, D) vs (B+K, D)
 
     def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
-        """Pooled embeddings (len(rows), D) of some rows of ``batch``, padding columns they all share cut off."""
+        """Pooled embeddings (len(rows), D) of some rows of ``batch``."""
+        hidden, _, _, pool_mask = self._hidden(batch, rows)
+        return pool(hidden, pool_mask)
+
+    def embed_and_lm(self, batch, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`embed`, these rows' share of ``lm_weight x L_LM``: see :meth:`lm_share`), from one forward."""
+        hidden, ids, mask, pool_mask = self._hidden(batch, rows)
+        return pool(hidden, pool_mask), self.lm_share(hidden, ids, mask, rows, batch)
+
+    def _hidden(self, batch, rows: torch.Tensor | slice):
+        """(last-layer states (R, T', D), input ids, attention mask, pool mask (R, T')) of some rows, the padding
+        columns they all share cut off (positions come from the mask, so cutting pads is exact)."""
         mask = batch["attention_mask"][rows]  # (R, T)
         used = mask.any(0).nonzero()
-        cols = slice(int(used.min()), int(used.max()) + 1)  # positions come from the mask: cutting pads is exact
-        ids, pool_mask = batch["input_ids"][rows][:, cols], batch["pool_mask"][rows][:, cols]
-        return pooled_forward(self.llm, ids, mask[:, cols], pool_mask, self.attention)
+        cols = slice(int(used.min()), int(used.max()) + 1)
+        ids, mask, pool_mask = batch["input_ids"][rows][:, cols], mask[:, cols], batch["pool_mask"][rows][:, cols]
+        return last_hidden(self.llm, ids, mask, pool_mask, self.attention), ids, mask, pool_mask
+
+    def lm_share(self, hidden, ids, mask, rows: torch.Tensor | slice, batch) -> torch.Tensor:
+        """``lm_weight`` x the sum over the positives among ``rows`` of each one's mean next-token CE, / B: the
+        shares of any split of the batch into rows add up to ``lm_weight x L_LM``. hidden (R, T, D), ids / mask
+        (R, T) right-padded -> scalar (0 without positives among the rows, or with ``lm_weight`` 0)."""
+        b = int(batch["num_queries"])
+        index = torch.arange(batch["input_ids"].shape[0], device=ids.device)[rows]  # (R,) row numbers in the batch
+        positive = (index >= b) & (index < 2 * b)  # (R,)
+        if self.lm_weight == 0 or not positive.any():
+            return hidden.new_zeros((), dtype=torch.float32)
+        mean = self.ntp(hidden[positive], ids[positive], mask[positive], self.llm.get_output_embeddings())
+        return self.lm_weight * mean * positive.sum() / b
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
-        z = self.embed(batch)  # (2B + K, D)
-        loss = self.loss(z, batch)
-        return {"loss": loss, "contrastive": loss.detach()}
+        z, lm = self.embed_and_lm(batch)  # (2B + K, D), scalar
+        contrastive = self.loss(z, batch)
+        out = {"loss": contrastive + lm, "contrastive": contrastive.detach()}
+        return {**out, "lm": (lm / self.lm_weight).detach()} if self.lm_weight else out
 
 
 class _RngState:
@@ -93,20 +134,14 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
     ``forward_backward(batch, backward)`` leaves the same parameter gradients as ``backward(forward(batch)
     ["loss"])`` (tested), with one chunk's graph in memory at a time, for one extra no-grad forward. Texts
     are chunked in order of length, so a chunk carries little padding. In-batch negatives span the batch
-    handed in, so the trainer's micro-batch must be the whole batch, on one process.
+    handed in, so the trainer's micro-batch must be the whole batch, on one process. The LM term needs no
+    cache: it is a sum over texts, so each chunk back-propagates its own share with its graph in step (3).
     """
 
     runs_own_backward = True
 
-    def __init__(
-        self,
-        llm: nn.Module,
-        temperature: float = 0.05,
-        attention: str = "causal",
-        symmetric: bool = False,
-        chunk_size: int = 32,
-    ):
-        super().__init__(llm, temperature, attention, symmetric)
+    def __init__(self, llm: nn.Module, *args, chunk_size: int = 32, **kwargs):
+        super().__init__(llm, *args, **kwargs)
         if chunk_size < 1:
             raise ValueError(f"the gradient cache needs a chunk size >= 1, got {chunk_size}")
         self.chunk_size = chunk_size
@@ -127,9 +162,12 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
         with torch.enable_grad():
             loss = self.loss(z, batch)
             (grad,) = torch.autograd.grad(loss, z)  # (2) (N, D) dL/dz: the cache
+        lm = torch.zeros(())
         for rows, state in zip(chunks, states, strict=True):
             state.restore()  # same dropout masks as in (1)
-            part = self.embed(batch, rows)  # (3) one chunk with its graph
-            backward((part * grad[rows]).sum())
+            part, lm_part = self.embed_and_lm(batch, rows)  # (3) one chunk with its graph; its share of L_LM
+            backward((part * grad[rows]).sum() + lm_part)
+            lm = lm + lm_part.detach()
         after.restore()
-        return {"loss": loss.detach(), "contrastive": loss.detach()}
+        out = {"loss": (loss + lm).detach(), "contrastive": loss.detach()}
+        return {**out, "lm": lm / self.lm_weight} if self.lm_weight else out

@@ -1,8 +1,9 @@
 """``--method contrastive``: supervised InfoNCE on (query, positive[, negative]) pairs (UniMAE App. D).
 
 In-batch negatives plus the hard negatives of the batch, without the batch's known false negatives
-(``--mask-false-negatives``); ``--symmetric-loss`` adds the positive -> queries direction. ``--data`` takes
-several files (or a mixture file) with ``--data-weights``; every global batch is drawn from one source
+(``--mask-false-negatives``); ``--symmetric-loss`` adds the positive -> queries direction; ``--lm-weight``
+adds a next-token loss on the positives (GritLM's joint objective), so that the adapter keeps generating.
+``--data`` takes several files (or a mixture file) with ``--data-weights``; every global batch is drawn from one source
 (:mod:`unimae.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
 so large batches fit in memory. Trains (and embeds with) the ``--init-adapter``'s spec, as SimCSE does:
 causal attention and the [EOS] state after UniMAE, so generation and KV reuse are unchanged.
@@ -76,9 +77,10 @@ class Contrastive(Method):
 
         c = self.config
         args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
+        kwargs = {"lm_weight": c.lm_weight, "ce_chunk_size": c.ce_chunk_size}
         if c.grad_cache_chunk:
-            return GradCacheContrastiveObjective(*args, chunk_size=c.grad_cache_chunk)
-        return ContrastiveObjective(*args)
+            return GradCacheContrastiveObjective(*args, chunk_size=c.grad_cache_chunk, **kwargs)
+        return ContrastiveObjective(*args, **kwargs)
 
     def collate(self, records, indices):
         texts = [r["query"] for r in records] + [r["positive"] for r in records]
