@@ -66,13 +66,15 @@ def _log(out: Path) -> list[dict]:
 # --- the gradient cache ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("symmetric", "lm_weight"), [(False, 0.0), (True, 0.0), (False, 0.5)])
-def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric, lm_weight):
+@pytest.mark.parametrize(
+    ("symmetric", "lm_weight", "lm_texts"), [(False, 0.0, 0), (True, 0.0, 0), (False, 0.5, 0), (False, 0.5, 4)]
+)
+def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric, lm_weight, lm_texts):
     model, tokenizer, _ = load_model(str(tiny_dir), dtype=torch.float32)
     model.train()
     records = _records(6)
     records[4]["query"] = records[1]["query"]  # a false negative to mask
-    method = _method(tokenizer, symmetric_loss=symmetric, lm_weight=lm_weight)
+    method = _method(tokenizer, symmetric_loss=symmetric, lm_weight=lm_weight, lm_texts=lm_texts)
     batch = method.collate(records, list(range(6)))
     assert batch["false_negatives"].shape == (6, 6 + 3)
 
@@ -83,9 +85,8 @@ def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric, lm_wei
     expected = _grads(model)
     model.zero_grad(set_to_none=True)
 
-    cached = _method(tokenizer, symmetric_loss=symmetric, lm_weight=lm_weight, grad_cache_chunk=4).build_objective(
-        model
-    )
+    options = {"symmetric_loss": symmetric, "lm_weight": lm_weight, "lm_texts": lm_texts, "grad_cache_chunk": 4}
+    cached = _method(tokenizer, **options).build_objective(model)
     assert isinstance(cached, GradCacheContrastiveObjective) and cached.runs_own_backward
     calls = []
     losses = cached.forward_backward(batch, lambda t: (calls.append(1), t.backward()))
@@ -142,6 +143,8 @@ def test_lm_term_is_the_next_token_loss_of_the_positives(tiny_model_dirs):
     assert float(out["lm"]) == pytest.approx(float(torch.stack(expected).mean()), rel=1e-5)
     assert float(out["loss"]) == pytest.approx(float(out["contrastive"] + 0.5 * out["lm"]), rel=1e-5)
     assert "lm" not in _method(tokenizer).build_objective(model)(batch), "off by default"
+    first_two = _method(tokenizer, lm_weight=0.5, lm_texts=2).build_objective(model)(batch)
+    assert float(first_two["lm"]) == pytest.approx(float(torch.stack(expected[:2]).mean()), rel=1e-5)
 
 
 def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, tmp_path):

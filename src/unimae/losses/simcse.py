@@ -52,9 +52,10 @@ class ContrastiveObjective(Objective):
     positive against the queries (``info_nce(..., symmetric=True)``).
 
     ``lm_weight`` > 0 adds ``lm_weight x L_LM``, L_LM the next-token cross-entropy of the B positives (each
-    text's mean over its tokens, then the mean over texts), computed from the same forward pass as their
-    embeddings: GritLM's joint objective (Muennighoff et al. 2024, Eq. 3, ``L = L_Rep + lambda L_Gen``), here on
-    the pairs' own positives rather than separate instruction data, so that the adapter keeps generating.
+    text's mean over its tokens, then the mean over texts; ``lm_texts`` > 0: of the first ``lm_texts`` of them
+    only), computed from the same forward pass as their embeddings: GritLM's joint objective (Muennighoff et
+    al. 2024, Eq. 3, ``L = L_Rep + lambda L_Gen``), here on the pairs' own positives rather than separate
+    instruction data, so that the adapter keeps generating.
     """
 
     def __init__(
@@ -64,11 +65,12 @@ class ContrastiveObjective(Objective):
         attention: str = "causal",
         symmetric: bool = False,
         lm_weight: float = 0.0,
+        lm_texts: int = 0,
         ce_chunk_size: int = 1024,
     ):
         super().__init__(llm)
         self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
-        self.lm_weight = lm_weight
+        self.lm_weight, self.lm_texts = lm_weight, lm_texts
         self.ntp = MARLoss(ce_chunk_size, logit_softcap(llm.config))
 
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
@@ -97,16 +99,18 @@ class ContrastiveObjective(Objective):
         return last_hidden(self.llm, ids, mask, pool_mask, self.attention), ids, mask, pool_mask
 
     def lm_share(self, hidden, ids, mask, rows: torch.Tensor | slice, batch) -> torch.Tensor:
-        """``lm_weight`` x the sum over the positives among ``rows`` of each one's mean next-token CE, / B: the
-        shares of any split of the batch into rows add up to ``lm_weight x L_LM``. hidden (R, T, D), ids / mask
-        (R, T) right-padded -> scalar (0 without positives among the rows, or with ``lm_weight`` 0)."""
+        """``lm_weight`` x the sum over the scored positives among ``rows`` of each one's mean next-token CE, / the
+        number of scored positives (B, or ``lm_texts``): the shares of any split of the batch into rows add up to
+        ``lm_weight x L_LM``. hidden (R, T, D), ids / mask (R, T) right-padded -> scalar (0 without scored
+        positives among the rows, or with ``lm_weight`` 0)."""
         b = int(batch["num_queries"])
+        scored = min(b, self.lm_texts) if self.lm_texts else b  # rows b .. b + scored - 1
         index = torch.arange(batch["input_ids"].shape[0], device=ids.device)[rows]  # (R,) row numbers in the batch
-        positive = (index >= b) & (index < 2 * b)  # (R,)
+        positive = (index >= b) & (index < b + scored)  # (R,)
         if self.lm_weight == 0 or not positive.any():
             return hidden.new_zeros((), dtype=torch.float32)
         mean = self.ntp(hidden[positive], ids[positive], mask[positive], self.llm.get_output_embeddings())
-        return self.lm_weight * mean * positive.sum() / b
+        return self.lm_weight * mean * positive.sum() / scored
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         z, lm = self.embed_and_lm(batch)  # (2B + K, D), scalar

@@ -77,7 +77,7 @@ class Contrastive(Method):
 
         c = self.config
         args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
-        kwargs = {"lm_weight": c.lm_weight, "ce_chunk_size": c.ce_chunk_size}
+        kwargs = {"lm_weight": c.lm_weight, "lm_texts": c.lm_texts, "ce_chunk_size": c.ce_chunk_size}
         if c.grad_cache_chunk:
             return GradCacheContrastiveObjective(*args, chunk_size=c.grad_cache_chunk, **kwargs)
         return ContrastiveObjective(*args, **kwargs)
