@@ -6,6 +6,7 @@ import torch
 from conftest import SENTENCES
 
 from unimae.encoder import Encoder
+from unimae.generation import GenerationParams
 from unimae.models import load_model
 from unimae.tokenization import encode_with_eos, last_token_index, pad_batch
 
@@ -71,6 +72,8 @@ def test_generation_with_adapter_disabled_equals_base(tiny_dir, tmp_path):
         disabled = enc.generate("the cat", max_new_tokens=8)
     assert disabled == base_text
     assert adapted != base_text, "a random non-zero adapter should change greedy output"
+    with torch.no_grad():  # GenerationParams in max_new_tokens's place is taken as params
+        assert enc.generate("the cat", GenerationParams(max_new_tokens=8)) == adapted
 
 
 def test_unmerged_bf16_adapter_skips_peft_upcast_with_identical_embeddings(tiny_model_dirs, corpus_file, tmp_path):

@@ -211,7 +211,10 @@ class Encoder:
     def generate(
         self, prompt: str, max_new_tokens: int = 64, chat: bool = False, params: GenerationParams | None = None
     ) -> str:
-        """Generate a continuation of ``prompt`` with the same weights (greedy unless ``params`` say so)."""
+        """Generate a continuation of ``prompt`` with the same weights (greedy unless ``params`` say so).
+        ``params`` may also come second, in ``max_new_tokens``'s place."""
+        if isinstance(max_new_tokens, GenerationParams):
+            params, max_new_tokens = max_new_tokens, max_new_tokens.max_new_tokens
         params = params or GenerationParams(max_new_tokens=max_new_tokens)
         ids = self.prompt_ids(prompt, chat=chat)
         return generate_text(self.model, self.tokenizer, ids, params, precision=self.precision).text
