@@ -22,7 +22,8 @@
 # (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
 # UNIMAE_RUN (name of the UniMAE run in RUNS, default unimae; the later stages are named after it),
 # UNIMAE_FLAGS (extra flags for that stage, e.g. "--p-mar 0.5"), UNIMAE_LABEL (its row in DEV, unimae-eos),
-# SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), WIKI (1: add inverse-cloze
+# SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), SUP_RUN (that stage's run name;
+# default: the SimCSE run's name + "-sup", or the UniMAE run's when SIMCSE_STEPS=0), WIKI (1: add inverse-cloze
 # pairs from pretrain/; 0: only the 8 files of train/), TASKS (dev suite by default; "" skips evaluation),
 # RAG_QUESTIONS (20; 0 skips the RAG benchmark), GENERATION (1; 0 skips the generation suites).
 set -euo pipefail
@@ -42,6 +43,7 @@ SUP_CHUNK=${SUP_CHUNK:-32}
 SUP_MAX_LENGTH=${SUP_MAX_LENGTH:-128}
 SUP_WEIGHTS=${SUP_WEIGHTS:-sqrt}
 SUP_FLAGS=${SUP_FLAGS:-}
+SUP_RUN=${SUP_RUN:-}
 UNIMAE_RUN=${UNIMAE_RUN:-unimae}
 UNIMAE_FLAGS=${UNIMAE_FLAGS:-}
 UNIMAE_LABEL=${UNIMAE_LABEL:-unimae-eos}
@@ -78,6 +80,7 @@ if [ "$SIMCSE_STEPS" -gt 0 ]; then
   init=$RUNS/$UNIMAE_RUN-simcse/adapter
   sup=$UNIMAE_RUN-simcse-sup
 fi
+sup=${SUP_RUN:-$sup}
 # One batch of SUP_BATCH pairs per step, drawn from one source; the gradient cache embeds it in chunks of
 # SUP_CHUNK texts, so the micro-batch is the whole batch (in-batch negatives span all of it).
 # shellcheck disable=SC2086  # SUP_FLAGS is a word list on purpose

@@ -40,3 +40,45 @@ def test_train_run_starts_resumes_or_skips(tmp_path, files, expected):
         (run / name).write_text("")
     calls = _train_run(tmp_path, run)
     assert calls == ([] if expected is None else [expected.format(run=run)])
+
+
+@pytest.mark.parametrize(
+    ("env", "stages"),
+    [
+        ({}, ["unimae", "unimae-simcse", "unimae-simcse-sup"]),
+        ({"SIMCSE_STEPS": "0"}, ["unimae", "unimae-sup"]),
+        (
+            {"SUP_RUN": "unimae-simcse-suplm", "SUP_FLAGS": "--lm-weight 0.1"},
+            ["unimae", "unimae-simcse", "unimae-simcse-suplm"],
+        ),
+    ],
+    ids=["default", "no-simcse", "named-supervised-run"],
+)
+def test_retrieval_recipe_chains_its_stages(tmp_path, env, stages):
+    """recipes/retrieval.sh trains UniMAE -> (SimCSE) -> supervised, each from the previous stage's adapter, on
+    the files of train/ (evaluation switched off); SUP_RUN names the supervised run, SUP_FLAGS reach it."""
+    calls, cli, data, runs = tmp_path / "calls", tmp_path / "fake-unimae", tmp_path / "data", tmp_path / "runs"
+    cli.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    cli.chmod(0o755)
+    (data / "train").mkdir(parents=True)
+    for name in ("a.jsonl", "b.jsonl"):
+        (data / "train" / name).write_text("")
+    recipe = HELPER.parent / "retrieval.sh"
+    settings = {
+        "UNIMAE": str(cli),
+        "UNIMAE_DATA": str(data),
+        "RUNS": str(runs),
+        "WIKI": "0",
+        "TASKS": "",
+        "RAG_QUESTIONS": "0",
+        "GENERATION": "0",
+        "PATH": "/usr/bin:/bin",
+        **env,
+    }
+    subprocess.run(["bash", str(recipe)], check=True, env=settings)
+    lines = calls.read_text().splitlines()
+    assert [line.split("--output-dir ")[1].split()[0] for line in lines] == [str(runs / s) for s in stages]
+    for previous, line in zip(stages, lines[1:], strict=False):
+        assert f"--init-adapter {runs / previous}/adapter" in line
+    assert f"--data {data}/train/a.jsonl,{data}/train/b.jsonl" in lines[-1]
+    assert lines[-1].endswith(env.get("SUP_FLAGS", "--save-every 5"))
