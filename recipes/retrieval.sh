@@ -2,7 +2,10 @@
 # One model for RAG: UniMAE -> UniMAE+SimCSE -> supervised contrastive on the [EOS] embedding (the UniMAE
 # paper's App. D stage), causal attention throughout, so the adapter still generates and reuses the KV cache.
 # Then the dev suite and the one-model RAG benchmark.
-#   MODEL=smollm2-135m bash recipes/retrieval.sh     (MODEL=gemma3-270m for Gemma-3-270M)
+#   MODEL=smollm2-135m bash recipes/retrieval.sh
+# Gemma-3-270M (its p_mar 0.5 UniMAE run; a next-token term keeps its generation from looping):
+#   MODEL=gemma3-270m UNIMAE_RUN=unimae-p0.5 UNIMAE_LABEL=unimae-p0.5-eos UNIMAE_FLAGS="--p-mar 0.5" \
+#     SUP_RUN=unimae-p0.5-simcse-suplm SUP_FLAGS="--lm-weight 0.1 --lm-texts 64" bash recipes/retrieval.sh
 # Training wall time for SmolLM2-135M on 2 CPU cores (AMD EPYC, measured): about 1.9 h. UniMAE 100 steps 994 s,
 # SimCSE 60 steps 524 s, supervised 80 steps of batch 256 5,334 s (1.46M tokens, 274 tokens/s; 67 s/step, wiki and
 # medquad batches ~100 s). Evaluation after it: about 40 min (dev suite, SciFact most of it) + a few minutes (RAG).
