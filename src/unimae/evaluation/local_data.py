@@ -1,4 +1,4 @@
-"""Local evaluation data in the layout of ``shared/data`` (see README, "Evaluation data layout"),
+"""Local evaluation data in the layout of ``shared/data`` (see docs/evaluation.md, "Evaluation data layout"),
 converted to the dataset shapes the official ``mteb`` evaluators read.
 
 One loader per task type, chosen by mteb's own task metadata (``task.metadata.type``), so any
@@ -45,7 +45,7 @@ def task_folder(data_dir: Path, task_name: str, task_type: str) -> Path:
     folder = Path(data_dir) / TYPE_FOLDERS[task_type] / task_name
     if not folder.is_dir():
         raise LocalDataError(
-            f"{task_name}: no folder {folder}; put the task's files there (README, "
+            f"{task_name}: no folder {folder}; put the task's files there (docs/evaluation.md, "
             "'Evaluation data layout') or drop --data-dir to load it from the Hub"
         )
     return folder
