@@ -50,7 +50,6 @@ SUP_RUN=${SUP_RUN:-}
 UNIMAE_RUN=${UNIMAE_RUN:-unimae}
 UNIMAE_FLAGS=${UNIMAE_FLAGS:-}
 UNIMAE_LABEL=${UNIMAE_LABEL:-unimae-eos}
-WIKI=${WIKI:-1}
 TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
 GENERATION=${GENERATION:-1}
@@ -62,17 +61,9 @@ train() {  # name, then train flags (see train_run.sh: resumes an interrupted ru
   train_run "$RUNS/$name" --model "$MODEL" "$@"
 }
 
-# Supervised pairs: the 8 files of train/ (none from the dev-suite tasks; not STSBenchmark train, which leaks
-# into the STS tasks), plus inverse-cloze pairs from pretrain/ without the enwiki-gensim articles.
-files=$(printf '%s,' "$DATA"/train/*.jsonl)
-files=${files%,}
-if [ "$WIKI" = 1 ]; then
-  if [ ! -f "$PAIRS/wiki_ict.jsonl" ]; then
-    $PYTHON recipes/make_pairs_wiki.py --pretrain "$DATA/pretrain/wikipedia_paragraphs.jsonl" \
-      --output "$PAIRS/wiki_ict.jsonl"
-  fi
-  files="$files,$PAIRS/wiki_ict.jsonl"
-fi
+# The supervised pairs ($files; the 8 files of train/ and the wiki inverse-cloze pairs) and the prompts.
+# shellcheck source=recipes/retrieval_data.sh
+source "$(dirname "$0")/retrieval_data.sh"
 
 # shellcheck disable=SC2086  # UNIMAE_FLAGS is a word list on purpose
 train "$UNIMAE_RUN" --method unimae $UNIMAE_FLAGS

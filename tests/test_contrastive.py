@@ -274,7 +274,7 @@ def test_mixture_from_files_weights_and_mixture_files(tmp_path):
     assert load_mixture(both, "sqrt", 4).weights == pytest.approx([math.sqrt(10), math.sqrt(40)])
     mixture = load_mixture(both, "3, 1", 4)
     assert mixture.weights == [3.0, 1.0] and mixture.sizes == [10, 40] and len(mixture.pairs) == 50
-    assert mixture.pairs[10] == _records(1, start=10, negatives=False)[0]
+    assert mixture.pairs[10] == {**_records(1, start=10, negatives=False)[0], "source": "b"}
     (tmp_path / "sub").mkdir()
     mix = "sources:\n  - path: ../a.jsonl\n    weight: 2\n  - {path: ../b.jsonl, weight: 0.5}\n"
     (tmp_path / "sub" / "mix.yaml").write_text(mix)
@@ -378,4 +378,4 @@ def test_make_pairs_wiki_writes_pairs_the_trainer_reads(tmp_path):
         pairs = load_mixture(str(out), "", 2).pairs
         assert len(pairs) == (5 if mode == "ict" else 6)
         if mode == "title":
-            assert pairs[1] == {"query": "Article 1", "positive": paragraphs[1]["text"]}
+            assert pairs[1] == {"query": "Article 1", "positive": paragraphs[1]["text"], "source": out.stem}

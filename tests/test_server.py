@@ -506,11 +506,11 @@ def test_embedding_requests_are_tokenized_off_the_event_loop(tiny_model_dirs, mo
     tokenizing, release, finished = threading.Event(), threading.Event(), threading.Event()
     tokenize = state.embedding_inputs
 
-    def slow_tokenize(texts):  # as a huge request would: holds its thread until the test releases it
+    def slow_tokenize(texts, input_type=None):  # as a huge request would: holds its thread until the test releases it
         tokenizing.set()
         try:
             assert release.wait(30), "the test never released the tokenizer"
-            return tokenize(texts)
+            return tokenize(texts, input_type)
         finally:
             finished.set()
 

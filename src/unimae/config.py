@@ -114,6 +114,36 @@ class ContrastiveOptions:
             "(0: all); the output head over a 262k vocabulary makes all 256 of a batch cost about 1.4x the step."
         },
     )
+    query_prompt: str = field(
+        default="",
+        metadata={
+            "help": "contrastive: text prefix of the queries of asymmetric sources (all sources but "
+            "--symmetric-sources), saved as the adapter's 'query' prompt (Encoder.encode_query, mteb's query "
+            "prompt, the server's input_type=query); empty: no prompts."
+        },
+    )
+    document_prompt: str = field(
+        default="",
+        metadata={
+            "help": "contrastive: text prefix of the positives and negatives of asymmetric sources, saved as the "
+            "adapter's 'document' prompt; empty: documents embed as they are."
+        },
+    )
+    symmetric_sources: str = field(
+        default="",
+        metadata={
+            "help": "contrastive: --data sources (file names without .jsonl, comma-separated) whose pairs are "
+            "symmetric (paraphrase, NLI): neither side gets a prompt, as texts embed outside retrieval."
+        },
+    )
+    matryoshka_dims: str = field(
+        default="",
+        metadata={
+            "help": "contrastive: also train these prefix sizes of the embedding to stand alone (comma-separated, "
+            "e.g. 64,128,256): InfoNCE summed over the full vector and each truncated, re-normalised prefix "
+            "(sentence-transformers' MatryoshkaLoss, weights 1); empty: off."
+        },
+    )
     grad_cache_chunk: int = field(
         default=0,
         metadata={
@@ -238,6 +268,15 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
     init_adapter: str = field(
         default="",
         metadata={"help": "Start from this trained adapter (merged into the base), e.g. UniMAE then --method simcse."},
+    )
+    continue_adapter: str = field(
+        default="",
+        metadata={
+            "help": "Train this adapter's own LoRA further, from the step it holds (its unimae.json's "
+            "trained_steps) to --steps, with the same data order: a run continued where its checkpoints are "
+            "gone (another machine, a release). The optimizer starts afresh (Adam's moments are not in an "
+            "adapter); its init adapter, if any, is merged as in its own run. Needs a new --output-dir."
+        },
     )
 
     steps: int = field(default=100, metadata={"help": "Optimizer steps (paper: 100)."})

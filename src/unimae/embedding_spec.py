@@ -14,6 +14,15 @@ mntp           bidirectional    mean over the text's tokens
 gem            gem              summary: mean of the summary tokens' states (``summary_ids``)
 simcse, ...    the init adapter's spec
 =============  ===============  ===============================================================
+
+Two more fields describe how the adapter was trained to be used, and travel with it:
+
+- ``prompts``: named text prefixes (``{"query": "Instruct: ...\nQuery: ", "document": ""}``), as
+  sentence-transformers' ``prompts``: ``Encoder.encode(texts, prompt_name="query")`` embeds
+  ``prompt + text`` (the prompt counts toward ``max_length``; truncation cuts the text's end, never the
+  prompt). ``contrastive --query-prompt`` trains with them.
+- ``matryoshka_dims``: the prefix lengths the adapter was trained to embed with on their own
+  (``contrastive --matryoshka-dims``); ``Encoder.encode(dimensions=k)`` keeps the first k coordinates.
 """
 
 from __future__ import annotations
@@ -36,6 +45,12 @@ class EmbeddingSpec:
     pooling: str = field(default="eos", metadata={"help": "Which last-layer states are averaged (unimae.pooling)."})
     summary_ids: tuple[int, ...] = field(default=(), metadata={"help": "summary pooling: GEM's summary token ids."})
     echo_template: bool = field(default=False, metadata={"help": "echo pooling: wrap the text in Echo's prompt."})
+    prompts: tuple[tuple[str, str], ...] = field(
+        default=(), metadata={"help": "Named prompts (name, text prefix), e.g. ('query', 'Instruct: ...')."}
+    )
+    matryoshka_dims: tuple[int, ...] = field(
+        default=(), metadata={"help": "Prefix dimensions trained to embed on their own (Matryoshka); () none."}
+    )
 
     def __post_init__(self):
         if self.attention not in ATTENTION_RULES:
@@ -45,6 +60,29 @@ class EmbeddingSpec:
         object.__setattr__(self, "summary_ids", tuple(int(i) for i in self.summary_ids))
         if self.pooling == "summary" and not self.summary_ids:
             raise ValueError("summary pooling needs summary_ids (the GEM summary tokens of the adapter)")
+        prompts = self.prompts.items() if isinstance(self.prompts, dict) else self.prompts
+        object.__setattr__(self, "prompts", tuple(sorted((str(k), str(v)) for k, v in prompts)))
+        dims = tuple(sorted({int(d) for d in self.matryoshka_dims}))
+        if any(d < 1 for d in dims):
+            raise ValueError(f"matryoshka_dims must be positive, got {list(dims)}")
+        object.__setattr__(self, "matryoshka_dims", dims)
+
+    @property
+    def prompt_map(self) -> dict[str, str]:
+        """The named prompts as a dict (name -> text prefix)."""
+        return dict(self.prompts)
+
+    def prompt(self, name: str | None) -> str:
+        """The text prefix of prompt ``name`` ('' for None); an unknown name is an error naming the known ones."""
+        if name is None:
+            return ""
+        known = self.prompt_map
+        if name not in known:
+            raise ValueError(
+                f"unknown prompt {name!r}: this model's prompts are {sorted(known) or 'none'} "
+                "(set them with `unimae train --method contrastive --query-prompt ...`)"
+            )
+        return known[name]
 
     @property
     def pooling_options(self) -> dict:
@@ -66,8 +104,9 @@ class EmbeddingSpec:
         kept = {"summary_ids": self.summary_ids} if pooling == self.pooling == "summary" else {}
         return dataclasses.replace(self, pooling=pooling, summary_ids=(), echo_template=False, **{**kept, **options})
 
-    def build_inputs(self, tokenizer, texts: Sequence[str], max_length: int) -> list[PooledInput]:
-        """Token ids and pool masks of ``texts`` for this pooling."""
+    def build_inputs(self, tokenizer, texts: Sequence[str], max_length: int, prompt: str = "") -> list[PooledInput]:
+        """Token ids and pool masks of ``texts`` for this pooling, each text after the text prefix ``prompt``."""
+        texts = with_prompt(texts, prompt)
         return build_inputs(self.pooling, tokenizer, texts, max_length, **self.pooling_options)
 
     def forward(self, model, input_ids, attention_mask, pool_mask) -> torch.Tensor:
@@ -76,7 +115,12 @@ class EmbeddingSpec:
 
     def to_dict(self) -> dict:
         """The JSON form kept in ``unimae.json`` and index manifests."""
-        return {"attention": self.attention, "pooling": self.pooling, "pooling_options": self.pooling_options}
+        out = {"attention": self.attention, "pooling": self.pooling, "pooling_options": self.pooling_options}
+        if self.prompts:  # absent when empty: adapters and indexes written before these fields read the same
+            out["prompts"] = self.prompt_map
+        if self.matryoshka_dims:
+            out["matryoshka_dims"] = list(self.matryoshka_dims)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict | None) -> EmbeddingSpec:
@@ -88,9 +132,20 @@ class EmbeddingSpec:
             pooling=data.get("pooling", "eos"),
             summary_ids=tuple(options.get("summary_ids", ())),
             echo_template=bool(options.get("echo_template", False)),
+            prompts=tuple((data.get("prompts") or {}).items()),
+            matryoshka_dims=tuple(data.get("matryoshka_dims") or ()),
         )
 
     def describe(self) -> str:
         """One line for model cards and error messages."""
         extra = f", summary tokens {list(self.summary_ids)}" if self.summary_ids else ""
+        extra += f", prompts {sorted(self.prompt_map)}" if self.prompts else ""
+        extra += f", Matryoshka dimensions {list(self.matryoshka_dims)}" if self.matryoshka_dims else ""
         return f"{self.attention} attention, {self.pooling} pooling{extra}"
+
+
+def with_prompt(texts: Sequence[str], prompt: str) -> list[str]:
+    """``prompt + text`` for every text (the texts unchanged when the prompt is empty)."""
+    if not prompt:
+        return list(texts)
+    return [prompt + text if isinstance(text, str) else text for text in texts]  # non-str: the tokenizer's error

@@ -129,15 +129,42 @@ class Encoder:
         batch_size: int = 32,
         normalize: bool = False,
         show_progress: bool | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
+        precision: str = "float32",
+        **quantize_options,
     ) -> np.ndarray:
-        """Embed texts -> (N, D) float32 array (1-D for a single string), in input order."""
+        """Embed texts -> (N, D) array (1-D for a single string), in input order.
+
+        ``prompt_name`` picks one of the adapter's prompts (``spec.prompts``, e.g. 'query'); ``prompt`` gives
+        the text prefix itself (it wins over ``prompt_name``, as in sentence-transformers). ``dimensions``:
+        keep the first k coordinates (Matryoshka; normalised after truncation when ``normalize``).
+        ``precision``: 'float32', or quantized by sentence-transformers' ``quantize_embeddings``: 'int8' /
+        'uint8' (per-dimension ranges from ``calibration_embeddings=`` or ``ranges=`` in ``quantize_options``,
+        else from these embeddings themselves), 'binary' / 'ubinary' (sign bits packed 8 per byte: D / 8 bytes).
+        """
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length) if texts else []
-        out = self.encode_inputs(inputs, batch_size, normalize=normalize, show_progress=show_progress)
+        check_dimensions(dimensions, self.embedding_dim, self.spec)
+        prefix = prompt if prompt is not None else self.spec.prompt(prompt_name)
+        inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length, prompt=prefix) if texts else []
+        out = self.encode_inputs(inputs, batch_size, normalize=False, show_progress=show_progress)
+        out = finish_embeddings(out, dimensions, normalize, precision, **quantize_options)
         return out[0] if single else out
+
+    def encode_query(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
+        """:meth:`encode` with the adapter's 'query' prompt (none if it has no such prompt): retrieval queries."""
+        return self.encode(texts, prompt_name=self._prompt_or_none("query"), **kwargs)
+
+    def encode_document(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
+        """:meth:`encode` with the adapter's 'document' prompt (none if it has no such prompt): passages."""
+        return self.encode(texts, prompt_name=self._prompt_or_none("document"), **kwargs)
+
+    def _prompt_or_none(self, name: str) -> str | None:
+        return name if name in self.spec.prompt_map else None
 
     @torch.inference_mode()
     def encode_inputs(
@@ -171,15 +198,19 @@ class Encoder:
         return out
 
     @torch.inference_mode()
-    def encode_with_cache(self, text: str, normalize: bool = False) -> tuple[np.ndarray, list[int], object]:
+    def encode_with_cache(
+        self, text: str, normalize: bool = False, prompt_name: str | None = None
+    ) -> tuple[np.ndarray, list[int], object]:
         """Embed one text and keep the forward pass's KV cache: (vector (D,), input ids, cache).
 
-        The ids are exactly what :meth:`encode` feeds the model, so a generation prompt that starts with
-        them can reuse the cache as its prefix (``unimae.rag``). The vector equals ``encode([text])[0]``.
+        The ids are exactly what :meth:`encode` feeds the model (the prompt's tokens included), so a generation
+        prompt that starts with them can reuse the cache as its prefix (``unimae.rag``). The vector equals
+        ``encode([text], prompt_name=prompt_name)[0]``.
         """
         if self.attention != "causal":
             raise ValueError(f"KV-cache reuse needs causal attention; this encoder embeds with {self.attention!r}")
-        item = self.spec.build_inputs(self.tokenizer, [text], self.max_length)[0]
+        prefix = self.spec.prompt(prompt_name)
+        item = self.spec.build_inputs(self.tokenizer, [text], self.max_length, prompt=prefix)[0]
         ids = torch.tensor([item.ids], device=self.device)  # (1, T)
         with autocast(self.precision, self.device):
             out = self.model.get_decoder()(
@@ -221,6 +252,48 @@ class Encoder:
 
 
 _POOLING_OPTIONS = ("summary_ids", "echo_template")
+EMBEDDING_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+
+
+def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> None:
+    """``dimensions`` must be None or 1..full; a prefix the adapter was not trained for gets a warning (its
+    vectors are usable but were never trained to stand alone)."""
+    if dimensions is None:
+        return
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= full:
+        raise ValueError(f"dimensions must be an integer from 1 to {full} (this model's size), got {dimensions!r}")
+    if dimensions < full and dimensions not in spec.matryoshka_dims:
+        trained = list(spec.matryoshka_dims) or "none"
+        logger.warning(
+            "dimensions=%d: this adapter was not trained to embed with %d dimensions (Matryoshka dimensions: %s)",
+            dimensions,
+            dimensions,
+            trained,
+        )
+
+
+def finish_embeddings(
+    vectors: np.ndarray, dimensions: int | None, normalize: bool, precision: str = "float32", **quantize_options
+) -> np.ndarray:
+    """(N, D) float32 -> the first ``dimensions`` coordinates, L2-normalised if asked (after truncation, as
+    Matryoshka models are used), then quantized to ``precision`` by sentence-transformers."""
+    if precision not in EMBEDDING_PRECISIONS:
+        raise ValueError(f"precision must be one of {list(EMBEDDING_PRECISIONS)}, got {precision!r}")
+    out = vectors[:, :dimensions] if dimensions else vectors  # (N, k)
+    if normalize and len(out):  # the same op as encode_inputs(normalize=True), row by row
+        out = torch.nn.functional.normalize(torch.from_numpy(np.ascontiguousarray(out)), dim=-1).numpy()
+    if precision == "float32":
+        return np.ascontiguousarray(out, dtype=np.float32)
+    try:
+        try:
+            from sentence_transformers.util.quantization import quantize_embeddings
+        except ImportError:  # sentence-transformers < 5.1
+            from sentence_transformers.quantization import quantize_embeddings
+    except ImportError as err:
+        raise ImportError(
+            f"precision={precision!r} quantizes with sentence-transformers: pip install 'unimae[eval]'"
+        ) from err
+    return quantize_embeddings(out, precision=precision, **quantize_options)
 
 
 def _resolve_spec(trained: EmbeddingSpec, pooling: str, attention: str | None, kwargs: dict) -> EmbeddingSpec:

@@ -192,6 +192,13 @@ def unimae_keys(tokenizer, spec: EmbeddingSpec, extra: dict[str, str]) -> list[t
         ("embedding.eos_token", tokenizer.eos_token, text),
         ("embedding.eos_token_id", int(tokenizer.eos_token_id), GGUFValueType.UINT32),
         ("embedding.rule", rule, text),
+        # prompts: prepend the text of unimae.embedding.prompt.query to a retrieval query (".document" to passages)
+        *((f"embedding.prompt.{name}", prompt, text) for name, prompt in spec.prompts),
+        *(
+            (("embedding.matryoshka_dims", ",".join(map(str, spec.matryoshka_dims)), text),)
+            if spec.matryoshka_dims
+            else ()
+        ),
         *((name, str(value), text) for name, value in extra.items()),
     ]
     return [(KEY_PREFIX + name, value, vtype) for name, value, vtype in keys]

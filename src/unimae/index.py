@@ -7,6 +7,25 @@ Layout of an index folder::
     shards/00000256.npy  (shard_size, D) float32 unit vectors, named by first passage, written one by one
     index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
 
+Passages are embedded as documents (the adapter's ``document`` prompt, if it has one; queries are embedded with
+its ``query`` prompt by :mod:`unimae.rag`). ``dimensions`` builds the index over the first k coordinates
+(re-normalised; for an adapter trained with Matryoshka dimensions). Index kinds and memory per vector (D dims):
+
+=======  ===================================================================  ==============
+kind     FAISS index                                                          bytes / vector
+=======  ===================================================================  ==============
+flat     ``IndexFlatIP``: exact cosine                                        4 D
+hnsw     ``IndexHNSWFlat``: approximate, graph                                4 D + graph
+ivf      ``IndexIVFFlat``: approximate, inverted lists                        4 D
+sq8      ``IndexScalarQuantizer`` QT_8bit: int8 codes, per-dimension ranges   D
+         trained on the corpus (FAISS's calibration); float query against
+         the decoded codes
+binary   ``IndexBinaryFlat``: sign bits (sentence-transformers'               D / 8
+         ``quantize_embeddings(..., "ubinary")``), Hamming search for
+         ``rescore_multiplier`` x k candidates, rescored with the float
+         query (sentence-transformers' ``semantic_search_faiss``)
+=======  ===================================================================  ==============
+
 Every file is written to a temporary name and renamed into place, so a killed ``unimae index`` leaves
 finished shards and no half-written file; running it again resumes at the first missing shard. An
 index whose manifest says ``complete: false`` refuses to load.
@@ -28,7 +47,7 @@ from unimae.files import atomic_write, atomic_write_json, atomic_write_text, rea
 
 logger = logging.getLogger(__name__)
 
-INDEX_KINDS = ("flat", "hnsw", "ivf")
+INDEX_KINDS = ("flat", "hnsw", "ivf", "sq8", "binary")
 FORMAT_VERSION = 1
 
 
@@ -48,12 +67,20 @@ class IndexConfig:
     hnsw_m: int = field(default=32, metadata={"help": "HNSW graph degree."})
     ivf_nlist: int | None = field(default=None, metadata={"help": "IVF cells; default about 4*sqrt(N)."})
     ivf_nprobe: int = field(default=16, metadata={"help": "IVF cells searched per query."})
+    dimensions: int | None = field(
+        default=None, metadata={"help": "Index the first k coordinates (Matryoshka); default: all of them."}
+    )
+    rescore_multiplier: int = field(
+        default=4, metadata={"help": "binary: candidates per result found by Hamming distance, then rescored."}
+    )
 
     def __post_init__(self):
         if self.kind not in INDEX_KINDS:
             raise ValueError(f"index kind must be one of {INDEX_KINDS}, got {self.kind!r}")
-        if self.shard_size < 1 or self.batch_size < 1:
-            raise ValueError("shard_size and batch_size must be >= 1")
+        if self.shard_size < 1 or self.batch_size < 1 or self.rescore_multiplier < 1:
+            raise ValueError("shard_size, batch_size and rescore_multiplier must be >= 1")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
 
 
 @dataclass
@@ -84,8 +111,15 @@ def _build_faiss(vectors: np.ndarray, config: IndexConfig):
     """vectors (N, D) float32 unit rows -> a FAISS inner-product index."""
     faiss = _faiss()
     n, dim = vectors.shape
+    if config.kind == "binary":
+        index = faiss.IndexBinaryFlat(8 * _binary_codes(vectors[:1]).shape[1])
+        index.add(_binary_codes(vectors))
+        return index
     if config.kind == "flat":
         index = faiss.IndexFlatIP(dim)
+    elif config.kind == "sq8":
+        index = faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+        index.train(vectors)  # per-dimension min/max of the corpus
     elif config.kind == "hnsw":
         index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
     else:
@@ -95,6 +129,35 @@ def _build_faiss(vectors: np.ndarray, config: IndexConfig):
         index.nprobe = min(config.ivf_nprobe, nlist)
     index.add(vectors)
     return index
+
+
+def _binary_codes(vectors: np.ndarray) -> np.ndarray:
+    """(N, D) float -> (N, ceil(D / 8)) uint8 sign bits, by sentence-transformers' ``quantize_embeddings``."""
+    from unimae.encoder import finish_embeddings
+
+    return finish_embeddings(vectors, None, False, "ubinary")
+
+
+def _rescored_binary_search(index, queries: np.ndarray, k: int, multiplier: int) -> tuple[np.ndarray, np.ndarray]:
+    """queries (Q, D) float unit rows -> (scores, ids) (Q, k) from a binary index: sentence-transformers'
+    ``semantic_search_faiss`` (Hamming top ``multiplier`` x k, rescored by the float query against the corpus
+    bits b). Its score ``q . b`` is mapped to the cosine of q and the sign vector 2b - 1:
+    ``(2 q.b - sum(q)) / (|q| sqrt(D))``, which ranks the same way."""
+    from sentence_transformers.util.quantization import semantic_search_faiss
+
+    results, _ = semantic_search_faiss(
+        queries, corpus_index=index, corpus_precision="ubinary", top_k=k, rescore=True, rescore_multiplier=multiplier
+    )
+    dim = queries.shape[1]
+    offset = queries.sum(1, keepdims=True)  # (Q, 1)
+    scale = np.linalg.norm(queries, axis=1, keepdims=True) * np.sqrt(dim)  # (Q, 1)
+    ids = np.full((len(queries), k), -1, dtype=np.int64)
+    scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    for row, found in enumerate(results):
+        for col, hit in enumerate(found[:k]):
+            ids[row, col] = hit["corpus_id"]
+            scores[row, col] = (2 * hit["score"] - offset[row, 0]) / scale[row, 0]
+    return scores, ids
 
 
 class VectorIndex:
@@ -135,7 +198,7 @@ class VectorIndex:
             "max_length": encoder.max_length,
             "precision": encoder.precision,
             "merged": encoder.adapter_merged,
-            "dim": encoder.embedding_dim,
+            "dim": config.dimensions or encoder.embedding_dim,
             "count": len(passages),
             "passages": passages_fingerprint(passages),
             "config": asdict(config),
@@ -151,7 +214,8 @@ class VectorIndex:
         vectors = _embed_shards(encoder, passages, shards, config)  # (N, D)
         index = _build_faiss(vectors, config)
         faiss = _faiss()
-        atomic_write(directory / "index.faiss", lambda tmp: faiss.write_index(index, str(tmp)))
+        write = faiss.write_index_binary if config.kind == "binary" else faiss.write_index
+        atomic_write(directory / "index.faiss", lambda tmp: write(index, str(tmp)))
         manifest["complete"] = True
         atomic_write_json(manifest_path, manifest)
         return cls(directory, manifest, passages, index)
@@ -173,7 +237,8 @@ class VectorIndex:
         passages = _read_passages(directory / "passages.jsonl")
         faiss = _faiss()
         try:
-            index = faiss.read_index(str(directory / "index.faiss"))
+            read = faiss.read_index_binary if manifest.get("config", {}).get("kind") == "binary" else faiss.read_index
+            index = read(str(directory / "index.faiss"))
         except RuntimeError as err:
             raise VectorIndexError(
                 f"{directory / 'index.faiss'} cannot be read ({err}); rebuild with `unimae index`"
@@ -187,6 +252,15 @@ class VectorIndex:
         return cls(directory, manifest, passages, index)
 
     @property
+    def kind(self) -> str:
+        return self.manifest.get("config", {}).get("kind", "flat")
+
+    @property
+    def dim(self) -> int:
+        """The dimension of its vectors (a Matryoshka prefix of the model's, or all of them)."""
+        return int(self.manifest["dim"])
+
+    @property
     def spec(self) -> EmbeddingSpec:
         """How the passages were embedded (indexes older than the spec recorded only their pooling)."""
         return EmbeddingSpec.from_dict(self.manifest.get("embedding") or {"pooling": self.manifest.get("pooling")})
@@ -196,7 +270,12 @@ class VectorIndex:
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
         if queries.shape[1] != self.manifest["dim"]:
             raise ValueError(f"query dimension {queries.shape[1]} != index dimension {self.manifest['dim']}")
-        scores, ids = self.index.search(queries, min(k, len(self.passages)))  # (Q, k) each
+        k = min(k, len(self.passages))
+        if self.kind == "binary":
+            multiplier = self.manifest["config"].get("rescore_multiplier", 4)
+            scores, ids = _rescored_binary_search(self.index, queries, k, multiplier)  # (Q, k) each
+        else:
+            scores, ids = self.index.search(queries, k)  # (Q, k) each
         return [
             [Hit(*self.passages[i], float(s)) for s, i in zip(row_s, row_i, strict=True) if i >= 0]
             for row_s, row_i in zip(scores, ids, strict=True)
@@ -239,7 +318,7 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
         for key in ("embedding", "precision", "merged", "model_revision"):  # older manifests lack these
             old.setdefault(key, manifest.get(key))
         same = ("format", "model", "model_revision", "adapter_revision", "pooling", "embedding", "max_length")
-        same += ("precision", "merged", "passages")  # a resumed build never mixes shards embedded two ways
+        same += ("precision", "merged", "passages", "dim")  # a resumed build never mixes shards embedded two ways
         changed = [k for k in same if old.get(k) != manifest.get(k)]
         if changed or old.get("config", {}).get("shard_size") != config.shard_size:
             raise VectorIndexError(
@@ -255,12 +334,15 @@ def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config
     """Embed every shard of ``passages`` not already in ``shards`` (normalized fp32 ``.npy`` per shard) -> all
     the passages' vectors (N, D), read back from the shards."""
     starts = range(0, len(passages), config.shard_size)
-    todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), encoder.embedding_dim)]
+    dim = config.dimensions or encoder.embedding_dim
+    todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), dim)]
     if len(todo) < len(starts):
         logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
     for start in tqdm(todo, desc="index shards", unit="shard", disable=not todo):
         texts = [text for _, text in passages[start : start + config.shard_size]]
-        vectors = encoder.encode(texts, batch_size=config.batch_size, normalize=True, show_progress=False)
+        vectors = encoder.encode_document(
+            texts, batch_size=config.batch_size, normalize=True, show_progress=False, dimensions=config.dimensions
+        )
 
         def write(tmp: Path, vectors=vectors):
             with open(tmp, "wb") as handle:

@@ -8,6 +8,9 @@
   the number of pairs), ``sqrt`` (to its square root), or empty (the file's weights, else ``size``).
   A source of weight 0 is loaded (and checked) but never sampled.
 
+Each pair keeps the name of its source (``"source"``: the file name without ``.jsonl``), by which
+``--symmetric-sources`` chooses the pairs that take no prompts.
+
 Every global batch is drawn from ONE source (harder in-batch negatives; sentence-transformers' multi-dataset
 practice): :class:`SourceBatchOrder` chooses the source of batch ``k`` by weighted sampling as a pure
 function of ``(seed, k)``, and takes that source's pairs without replacement from a per-epoch permutation
@@ -64,6 +67,11 @@ class Source:
 
     path: Path
     weight: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The file name without ``.jsonl``: how ``--symmetric-sources`` and each pair's ``source`` name it."""
+        return self.path.name.removesuffix(".jsonl")
 
 
 def parse_sources(data: str) -> list[Source]:
@@ -170,7 +178,8 @@ def load_mixture(data: str, weights: str, batch_size: int) -> Mixture:
                 f"{source.path} has {size} pairs, fewer than --batch-size {batch_size}: every batch is drawn "
                 "from one source; lower --batch-size, merge the file with another, or give it weight 0"
             )
-    return Mixture(sources, [pair for pairs in per_source for pair in pairs], sizes, resolved)
+    pairs = [{**pair, "source": source.name} for source, rows in zip(sources, per_source, strict=True) for pair in rows]
+    return Mixture(sources, pairs, sizes, resolved)
 
 
 class SourceBatchOrder:

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from unimae.adapter import adapter_revision, model_revision
 from unimae.decoding import decode_tokens
-from unimae.encoder import Encoder
+from unimae.encoder import Encoder, finish_embeddings
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
 from unimae.index import Hit, VectorIndex, VectorIndexError
 
@@ -123,9 +125,13 @@ class RAG:
                 f"the index was built with {index.spec.describe()} but the encoder embeds with "
                 f"{encoder.spec.describe()}; load the encoder with the index's model and adapter"
             )
-        if encoder.embedding_dim != index.manifest["dim"]:
-            raise ValueError(f"encoder dimension {encoder.embedding_dim} != index dimension {index.manifest['dim']}")
+        if index.dim > encoder.embedding_dim:
+            raise ValueError(f"index dimension {index.dim} > encoder dimension {encoder.embedding_dim}")
         self.encoder, self.index, self.config = encoder, index, config or RAGConfig()
+        # queries take the adapter's query prompt (documents were indexed with its document prompt), and are cut
+        # to the index's Matryoshka prefix
+        self.prompt_name = "query" if "query" in encoder.spec.prompt_map else None
+        self.dimensions = index.dim if index.dim < encoder.embedding_dim else None
         # Queries embedded with a pooling other than eos are tokenized with truncation to the encoder's length,
         # prompts without: one fast tokenizer switched between the two fails ("Already borrowed") while another
         # thread uses it, so those queries get their own copy, always called the same way.
@@ -136,8 +142,15 @@ class RAG:
 
     def _embed(self, query: str, on_model: Callable[..., Any]):
         """The query's normalised embedding (D,), its forward run through ``on_model``."""
-        inputs = self.encoder.spec.build_inputs(self._query_tokenizer, [query], self.encoder.max_length)
-        return on_model(self.encoder.encode_inputs, inputs, normalize=True)[0]
+        spec = self.encoder.spec
+        inputs = spec.build_inputs(
+            self._query_tokenizer, [query], self.encoder.max_length, spec.prompt(self.prompt_name)
+        )
+        return self._fit(on_model(self.encoder.encode_inputs, inputs, normalize=True)[0])
+
+    def _fit(self, vector: np.ndarray) -> np.ndarray:
+        """A unit query vector (D,) -> its index-sized prefix (k,), re-normalised (unchanged at full size)."""
+        return finish_embeddings(vector[None], self.dimensions, True)[0] if self.dimensions else vector
 
     def prompt_tail(self, query: str, hits: list[Hit]) -> list[int]:
         """Token ids that follow ``query [EOS]`` in the generation prompt."""
@@ -175,7 +188,11 @@ class RAG:
         self.check_budget(query, params.max_new_tokens)
         reuse = self.config.reuse_kv if reuse_kv is None else reuse_kv
         if self.encoder.spec.is_last_token:
-            vector, query_ids, cache = on_model(self.encoder.encode_with_cache, query, normalize=True)  # (D,), ids, KV
+            embed = self.encoder.encode_with_cache
+            vector, query_ids, cache = on_model(
+                embed, query, normalize=True, prompt_name=self.prompt_name
+            )  # (D,), ids, KV
+            vector = self._fit(vector)
         else:  # the embedding pass is not a causal prefix of the prompt: nothing to reuse
             vector, cache, reuse = self._embed(query, on_model), None, False
             query_ids = self.encoder.prompt_ids(query) + [self.encoder.tokenizer.eos_token_id]

@@ -13,6 +13,7 @@ keeps one large micro-batch affordable)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -231,7 +232,11 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     objective.train()
     if state is not None:
         _restore(state, config, objective, fingerprint)
+    if config.continue_adapter and state is None:
+        _load_continued(config, objective, fingerprint)
     params, optimizer, scheduler = _optimizer(config, method, objective)
+    if config.continue_adapter and state is None:
+        _move_schedule(scheduler, continued_step(config))
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -262,6 +267,69 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         tokenizer=tokenizer,
         meta=meta,
     )
+
+
+def continued_step(config: TrainConfig) -> int:
+    """The step ``--continue-adapter``'s adapter holds (0 without one)."""
+    if not config.continue_adapter:
+        return 0
+    steps = adapter_meta(config.continue_adapter).get("trained_steps")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--continue-adapter {config.continue_adapter}: its unimae.json names no trained_steps")
+    return steps
+
+
+def _with_continued_init(config: TrainConfig) -> TrainConfig:
+    """``--continue-adapter``: check it holds fewer steps than ``--steps``; its own init adapter (the stage it was
+    trained on top of, kept inside it) becomes this run's ``--init-adapter``, so the base is merged as before."""
+    if not config.continue_adapter:
+        return config
+    source = Path(config.continue_adapter)
+    if not (source / "adapter_model.safetensors").is_file():
+        raise FileNotFoundError(f"--continue-adapter {source} is not an adapter folder (no adapter_model.safetensors)")
+    held = continued_step(config)
+    if held >= config.steps:
+        raise ValueError(f"--continue-adapter {source} already holds {held} steps; pass --steps above {held}")
+    inner = source / INIT_ADAPTER
+    if inner.is_dir() and not config.init_adapter:
+        return dataclasses.replace(config, init_adapter=str(inner))
+    return config
+
+
+def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
+    """Load ``--continue-adapter``'s LoRA weights into the fresh LoRA of this run, after checking that the adapter
+    was trained on this base with this configuration (the same settings a ``--resume`` may not change)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    source = Path(config.continue_adapter)
+    meta = adapter_meta(source)
+    if meta.get("base_fingerprint") != fingerprint:
+        raise ValueError(f"--continue-adapter {source} was trained on another base model ({meta.get('base_model')})")
+    saved, ours = meta.get("training_config", {}), config.to_dict()
+    free = _RESUME_MAY_CHANGE | {"continue_adapter", "init_adapter"}
+    changed = [
+        f"{k} {saved[k]!r} -> {ours[k]!r}" for k in sorted((saved.keys() & ours.keys()) - free) if saved[k] != ours[k]
+    ]
+    if changed:
+        raise ValueError(f"--continue-adapter {source}: these settings differ from its run ({', '.join(changed)})")
+    weights = load_file(source / "adapter_model.safetensors")
+    llm = objective.llm
+    result = set_peft_model_state_dict(llm, {k: v.float() for k, v in weights.items()})
+    keys = [*getattr(result, "unexpected_keys", []), *getattr(result, "missing_keys", [])]
+    unfit = [k for k in keys if "lora_" in k]
+    if unfit or not weights:
+        raise ValueError(f"--continue-adapter {source}: its weights do not fit this run's LoRA ({unfit[:3]})")
+
+
+def _move_schedule(scheduler, step: int) -> None:
+    """Set a fresh ``LambdaLR`` to 0-based step ``step`` (the learning rate that step uses)."""
+    scheduler.last_epoch = step
+    for group, base, factor in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 def _trainable_llm(config: TrainConfig, model, method: Method, precision: str):
@@ -383,6 +451,7 @@ def _save_adapter(run: _Run, step: int) -> Path:
         method=config.method,
         init_adapter=INIT_ADAPTER if config.init_adapter else None,
         training_config=config.to_dict(),
+        **({"continued_from": {"step": continued_step(config)}} if config.continue_adapter else {}),
     )
     if config.merge and not config.full_params:
         save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
@@ -435,6 +504,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
             f"`unimae train --resume --output-dir {out}`, start it over with --overwrite, or pass another --output-dir"
         )
     state = load_latest_checkpoint(out) if resume else None
+    config = _with_continued_init(config) if state is None else config
     if state is not None and _finished(out, config, state["step"]):  # nothing left: no model to load
         return TrainResult(out, _adapter_dir(config), state["step"], False, 0.0, already_finished=True)
     run = _setup(config, state)
@@ -442,7 +512,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
         for name in _RUN_OUTPUTS:
             shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    step = start = state["step"] if state is not None else 0
+    step = start = state["step"] if state is not None else continued_step(config)
     log_path = _start_log(run, start)
     stop = _StopFlag()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -2,7 +2,12 @@
 
 mteb hands ``encode`` a DataLoader of batches (``batch["text"]``); we gather the texts, look them
 up in the cache and embed only the missing ones with ``Encoder.encode`` (length-sorted batches).
-No instructions or prompts are used, as in the UniMAE paper.
+
+Prompts: the adapter's own (its spec's ``prompts``, e.g. ``query`` and ``document``) become the model's
+``model_prompts``, and mteb's rule picks one per call (``get_prompt_name``: task name + prompt type, task
+name, task type + prompt type, task type, prompt type): a retrieval task's queries get the ``query`` prompt,
+its corpus the ``document`` prompt, and tasks without a prompt type (STS, classification, clustering, pair
+classification) none. An adapter without prompts embeds every text as it is, as in the UniMAE paper.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import numpy as np
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
+from unimae.embedding_spec import with_prompt
 from unimae.encoder import Encoder
 from unimae.evaluation.embedding_cache import EmbeddingCache
 
@@ -24,6 +30,7 @@ class MTEBEncoder(AbsEncoder):
         self.encoder = encoder
         self.cache = cache
         self.batch_size = batch_size
+        self.model_prompts = self.validate_task_to_prompt_name(encoder.spec.prompt_map) or {}
         self.mteb_model_meta = ModelMeta(
             loader=None,
             name=name if "/" in name else f"unimae/{name}",
@@ -40,7 +47,7 @@ class MTEBEncoder(AbsEncoder):
             public_training_data=None,
             framework=["PyTorch"],
             similarity_fn_name=ScoringFunction.COSINE,
-            use_instructions=False,
+            use_instructions=bool(self.model_prompts),
             training_datasets=None,
         )
 
@@ -49,6 +56,8 @@ class MTEBEncoder(AbsEncoder):
 
     def encode(self, inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kwargs) -> np.ndarray:
         texts = [text for batch in inputs for text in batch["text"]]
+        name = self.get_prompt_name(task_metadata, prompt_type) if self.model_prompts else None
+        texts = with_prompt(texts, self.model_prompts[name] if name else "")  # cached under prompt + text
         if self.cache is None:
             return self._embed(texts)
         return self.cache.get_or_compute(texts, self._embed)

@@ -56,6 +56,12 @@ class ContrastiveObjective(Objective):
     only), computed from the same forward pass as their embeddings: GritLM's joint objective (Muennighoff et
     al. 2024, Eq. 3, ``L = L_Rep + lambda L_Gen``), here on the pairs' own positives rather than separate
     instruction data, so that the adapter keeps generating.
+
+    ``matryoshka_dims`` (Kusupati et al. 2022, Matryoshka Representation Learning, arXiv:2205.13147): the loss is
+    ``sum_{m in M} L_InfoNCE(z[:, :m])`` over M = the full dimension D and each given prefix size m, every
+    prefix re-normalised before the cosine (``info_nce`` normalises), weights 1: what sentence-transformers'
+    ``MatryoshkaLoss`` computes around its inner loss. That class wraps a SentenceTransformer module's forward;
+    here the embeddings are already pooled (and cached by the gradient cache), so the sum is taken directly.
     """
 
     def __init__(
@@ -67,17 +73,28 @@ class ContrastiveObjective(Objective):
         lm_weight: float = 0.0,
         lm_texts: int = 0,
         ce_chunk_size: int = 1024,
+        matryoshka_dims: tuple[int, ...] = (),
     ):
         super().__init__(llm)
         self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
         self.lm_weight, self.lm_texts = lm_weight, lm_texts
         self.ntp = MARLoss(ce_chunk_size, logit_softcap(llm.config))
+        full = llm.config.hidden_size
+        if any(m > full for m in matryoshka_dims):
+            raise ValueError(f"--matryoshka-dims {list(matryoshka_dims)}: each must be at most the model's size {full}")
+        self.dims = tuple(sorted({*matryoshka_dims, full}))  # M: the prefix sizes, the full vector last
 
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
-        """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss."""
+        """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``)."""
         b = int(batch["num_queries"])
         exclude = batch.get("false_negatives")
-        return info_nce(z[:b], z[b:], self.temperature, exclude=exclude, symmetric=self.symmetric)  # (B, D) vs (B+K, D)
+        losses = [
+            info_nce(
+                z[:b, :m], z[b:, :m], self.temperature, exclude=exclude, symmetric=self.symmetric
+            )  # (B, m) vs (B+K, m)
+            for m in self.dims
+        ]
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Pooled embeddings (len(rows), D) of some rows of ``batch``."""

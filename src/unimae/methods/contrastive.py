@@ -7,10 +7,17 @@ adds a next-token loss on the positives (GritLM's joint objective), so that the 
 (:mod:`unimae.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
 so large batches fit in memory. Trains (and embeds with) the ``--init-adapter``'s spec, as SimCSE does:
 causal attention and the [EOS] state after UniMAE, so generation and KV reuse are unchanged.
+
+Prompts (``--query-prompt``, ``--document-prompt``): the queries (and documents) of every source but
+``--symmetric-sources`` are embedded after the prompt's text; a symmetric source's pairs (paraphrases, NLI)
+take none, as texts are embedded outside retrieval. The prompts are saved in the adapter's spec.
+``--matryoshka-dims`` sums InfoNCE over the full vector and each truncated prefix (see
+:class:`~unimae.losses.simcse.ContrastiveObjective`); the dimensions are saved in the spec as well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -61,8 +68,17 @@ class Contrastive(Method):
                 "or set --grad-cache-chunk 0"
             )
 
+        self.matryoshka_dims = parse_dims(config.matryoshka_dims)
+        self.symmetric = {name.strip() for name in config.symmetric_sources.split(",") if name.strip()}
+
     def load_data(self) -> list[dict]:
         self.mixture = load_mixture(self.config.data, self.config.data_weights, self.config.batch_size)
+        names = {source.name for source in self.mixture.sources}
+        unknown = sorted(self.symmetric - names)
+        if unknown:
+            raise ValueError(
+                f"--symmetric-sources names {unknown}, which are not among the --data sources {sorted(names)}"
+            )
         logger.info("contrastive pairs: %s", self.mixture.describe())
         return self.mixture.pairs
 
@@ -78,13 +94,16 @@ class Contrastive(Method):
         c = self.config
         args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
         kwargs = {"lm_weight": c.lm_weight, "lm_texts": c.lm_texts, "ce_chunk_size": c.ce_chunk_size}
+        if self.matryoshka_dims:
+            kwargs["matryoshka_dims"] = self.matryoshka_dims
         if c.grad_cache_chunk:
             return GradCacheContrastiveObjective(*args, chunk_size=c.grad_cache_chunk, **kwargs)
         return ContrastiveObjective(*args, **kwargs)
 
     def collate(self, records, indices):
-        texts = [r["query"] for r in records] + [r["positive"] for r in records]
-        texts += [r["negative"] for r in records if r.get("negative")]
+        query, document = self._prompts(r.get("source") for r in records)
+        texts = [query + r["query"] for r in records] + [document + r["positive"] for r in records]
+        texts += [document + r["negative"] for r in records if r.get("negative")]
         extra = {"num_queries": len(records)}
         if self.config.mask_false_negatives:
             rows, negatives = pair_groups(list(records))
@@ -92,5 +111,27 @@ class Contrastive(Method):
             extra["false_negatives"] = groups[:, None] == candidates[None, :]  # (B, B + K); diagonal kept by info_nce
         return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, self.embedding_spec(), **extra)
 
+    def _prompts(self, sources) -> tuple[str, str]:
+        """(query prefix, document prefix) of a batch: '' for a symmetric source's pairs (a batch is one source)."""
+        if set(sources) & self.symmetric:
+            return "", ""
+        return self.config.query_prompt, self.config.document_prompt
+
     def embedding_spec(self) -> EmbeddingSpec:
-        return init_spec_with_pooling(self.config, self.ctx)
+        spec = init_spec_with_pooling(self.config, self.ctx)
+        prompts = {**spec.prompt_map}
+        if self.config.query_prompt or self.config.document_prompt:
+            prompts.update(query=self.config.query_prompt, document=self.config.document_prompt)
+        dims = self.matryoshka_dims or spec.matryoshka_dims
+        return dataclasses.replace(spec, prompts=tuple(prompts.items()), matryoshka_dims=dims)
+
+
+def parse_dims(text: str) -> tuple[int, ...]:
+    """``--matryoshka-dims`` '64,128,256' -> (64, 128, 256); '' -> ()."""
+    try:
+        dims = tuple(sorted({int(d) for d in text.split(",") if d.strip()}))
+    except ValueError:
+        raise ValueError(f"--matryoshka-dims takes comma-separated integers such as 64,128,256, got {text!r}") from None
+    if any(d < 1 for d in dims):
+        raise ValueError(f"--matryoshka-dims must be positive, got {text!r}")
+    return dims

@@ -35,6 +35,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from unimae.embedding_spec import with_prompt
+from unimae.encoder import finish_embeddings
 from unimae.gguf_export import KEY_PREFIX
 from unimae.index import Hit, VectorIndex
 from unimae.rag import RAGAnswer, passages_json, prompt_tail
@@ -46,6 +48,7 @@ from unimae.serving.schemas import (
     CompletionRequest,
     EmbeddingRequest,
     RAGRequest,
+    check_dimensions,
     embeddings_body,
     models_body,
     parse_body,
@@ -109,6 +112,10 @@ class LlamaCppModel:
         self.eos_id = int(self.metadata.get(f"{KEY_PREFIX}embedding.eos_token_id", self.tokenizer.eos_token_id))
         self.max_length = max_length
         self.embedding_dim = int(self.metadata[f"{arch}.embedding_length"])
+        prefix = f"{KEY_PREFIX}embedding.prompt."
+        self.prompts = {k.removeprefix(prefix): str(v) for k, v in self.metadata.items() if k.startswith(prefix)}
+        dims = str(self.metadata.get(f"{KEY_PREFIX}embedding.matryoshka_dims", ""))
+        self.matryoshka_dims = tuple(int(d) for d in dims.split(",") if d)
         self.context = min(context, int(self.metadata.get(f"{arch}.context_length", context)))  # tokens per request
         params = xllamacpp.CommonParams()
         params.model.path = str(self.path)
@@ -127,8 +134,12 @@ class LlamaCppModel:
     def name(self) -> str:
         return self.path.stem
 
-    def embedding_ids(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
-        """unimae's ids: the tokenizer's (BOS as it adds it), truncated to ``max_length - 1``, then EOS."""
+    def embedding_ids(
+        self, texts: list[str], max_length: int | None = None, input_type: str | None = None
+    ) -> list[list[int]]:
+        """unimae's ids: the tokenizer's (BOS as it adds it) of the prompt of ``input_type`` (if the export has
+        one) + text, truncated to ``max_length - 1``, then EOS."""
+        texts = with_prompt(texts, self.prompts.get(input_type, "") if input_type else "")
         ids = encode_with_eos(self.tokenizer, texts, max_length or self.max_length, warn=False)
         return [row[:-1] + [self.eos_id] for row in ids]
 
@@ -191,8 +202,8 @@ def check_index(model: LlamaCppModel, index: VectorIndex) -> None:
     manifest, meta = index.manifest, model.metadata
     if not index.spec.is_last_token:
         raise ValueError(f"the index was built with {index.spec.describe()}; a GGUF model embeds with eos pooling")
-    if manifest["dim"] != model.embedding_dim:
-        raise ValueError(f"index dimension {manifest['dim']} != model dimension {model.embedding_dim}")
+    if index.dim > model.embedding_dim:
+        raise ValueError(f"index dimension {index.dim} > model dimension {model.embedding_dim}")
     built, exported = manifest.get("adapter_revision", "base"), meta.get(f"{KEY_PREFIX}adapter_revision")
     if exported is not None and built != exported:
         raise ValueError(
@@ -224,7 +235,7 @@ def create_llamacpp_app(model: LlamaCppModel, config: ServerConfig, index: Vecto
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
         body, ids = await run_in_threadpool(_embedding_inputs, state, await request.body())
-        vectors = await run_in_threadpool(model.embed_ids, ids)
+        vectors = finish_embeddings(await run_in_threadpool(model.embed_ids, ids), body.dimensions, normalize=True)
         return embeddings_body(config.model_name, vectors, body.encoding_format, sum(map(len, ids)))
 
     @app.post("/v1/completions", response_model=None)
@@ -273,13 +284,12 @@ def _embedding_inputs(state: LlamaCppState, raw: bytes) -> tuple[EmbeddingReques
     model, config = state.model, state.config
     if len(body.input) > config.max_inputs:
         raise APIError(400, f"{len(body.input)} inputs; this server takes at most {config.max_inputs}", "input")
-    if body.dimensions is not None and body.dimensions != model.embedding_dim:
-        raise APIError(400, f"this model gives {model.embedding_dim}-dimensional embeddings only", "dimensions")
+    check_dimensions(body.dimensions, model.embedding_dim, model.matryoshka_dims)
     for i, text in enumerate(body.input):
         if not text.strip():
             raise APIError(400, f"input[{i}] is empty", "input")
     error = config.on_too_long == "error"
-    ids = model.embedding_ids(body.input, model.max_length + 1 if error else model.max_length)
+    ids = model.embedding_ids(body.input, model.max_length + 1 if error else model.max_length, body.input_type)
     for i, row in enumerate(ids):
         if len(row) > model.max_length:
             raise APIError(400, f"input[{i}] is over this server's limit of {model.max_length} tokens", "input")
@@ -289,8 +299,9 @@ def _embedding_inputs(state: LlamaCppState, raw: bytes) -> tuple[EmbeddingReques
 def _rag_prompt(state: LlamaCppState, query: str, k: int):
     """(query ids = query + EOS, hits, prompt ids): the prompt starts with the embedding pass's ids."""
     model = state.model
-    query_ids = model.embedding_ids([query])[0]
-    hits = state.index.search(model.embed_ids([query_ids]), k)[0]
+    query_ids = model.embedding_ids([query], input_type="query")[0]
+    dims = state.index.dim if state.index.dim < model.embedding_dim else None
+    hits = state.index.search(finish_embeddings(model.embed_ids([query_ids]), dims, normalize=True), k)[0]
     return query_ids, hits, query_ids + prompt_tail(model.tokenizer, query, hits)
 
 

@@ -131,6 +131,9 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    input_type: Literal["query", "document"] | None = Field(
+        default=None, description="'query' or 'document': embed with the model's prompt of that name (if it has one)."
+    )
 
     @field_validator("input")
     @classmethod
@@ -214,6 +217,22 @@ class RAGRequest(BaseModel):
         if not value.strip():
             raise ValueError("the question is empty")
         return value
+
+
+def check_dimensions(dimensions: int | None, full: int, trained: tuple[int, ...]) -> None:
+    """400 unless ``dimensions`` (the OpenAI API's field) is absent, the full size, or a prefix size from 1 to the
+    full size of a model trained with Matryoshka dimensions (``trained``: the sizes it was trained for)."""
+    if dimensions is None or dimensions == full:
+        return
+    if not 1 <= dimensions <= full:
+        raise APIError(400, f"dimensions must be from 1 to {full}, got {dimensions}", "dimensions")
+    if not trained:
+        raise APIError(
+            400,
+            f"this model gives {full}-dimensional embeddings only: it was not trained for shorter ones "
+            "(train with --matryoshka-dims)",
+            "dimensions",
+        )
 
 
 def embeddings_body(model: str, vectors: np.ndarray, encoding_format: str, tokens: int) -> dict:

@@ -83,7 +83,7 @@ class ServerState:
         state.embedding_inputs(["warm up"])  # sets the copy's truncation before threads share it
         return state
 
-    def embedding_inputs(self, texts: list[str]) -> list[PooledInput]:
+    def embedding_inputs(self, texts: list[str], input_type: str | None = None) -> list[PooledInput]:
         """Model inputs of ``texts`` for the batcher (call it in a worker thread: a few MB of text takes seconds).
 
         With ``on_too_long='error'`` they are built for ``max_length + 2`` tokens: an input longer than
@@ -97,7 +97,9 @@ class ServerState:
         """
         error = self.config.on_too_long == "error"
         length = self.encoder.max_length + 2 if error else self.encoder.max_length
-        return self.encoder.spec.build_inputs(self.embedding_tokenizer, texts, length)
+        spec = self.encoder.spec
+        prompt = spec.prompt_map.get(input_type, "") if input_type else ""  # no such prompt: the texts as they are
+        return spec.build_inputs(self.embedding_tokenizer, texts, length, prompt=prompt)
 
     @property
     def decode(self) -> Callable[..., Iterator[int]]:

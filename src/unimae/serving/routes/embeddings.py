@@ -15,9 +15,10 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from unimae.encoder import finish_embeddings
 from unimae.pooling import PooledInput
 from unimae.serving.disconnect import client_gone, unless_gone
-from unimae.serving.schemas import APIError, EmbeddingRequest, embeddings_body, parse_body
+from unimae.serving.schemas import APIError, EmbeddingRequest, check_dimensions, embeddings_body, parse_body
 from unimae.serving.state import ServerState, StateDep
 
 router = APIRouter()
@@ -44,12 +45,11 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
     texts, config, encoder = body.input, state.config, state.encoder
     if len(texts) > config.max_inputs:
         raise APIError(400, f"{len(texts)} inputs; this server takes at most {config.max_inputs} per request", "input")
-    if body.dimensions is not None and body.dimensions != encoder.embedding_dim:
-        raise APIError(400, f"this model gives {encoder.embedding_dim}-dimensional embeddings only", "dimensions")
+    check_dimensions(body.dimensions, encoder.embedding_dim, encoder.spec.matryoshka_dims)
     for i, text in enumerate(texts):
         if not text.strip():
             raise APIError(400, f"input[{i}] is empty", "input")
-    inputs = state.embedding_inputs(texts)
+    inputs = state.embedding_inputs(texts, body.input_type)
     for i, item in enumerate(inputs):
         if len(item.ids) > encoder.max_length:  # built for max_length + 2 only when on_too_long is "error"
             raise APIError(
@@ -73,5 +73,6 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
 def _render(state: ServerState, body: EmbeddingRequest, inputs: list[PooledInput], vectors: np.ndarray) -> bytes:
     """The response body as JSON bytes; ``usage`` counts the tokens embedded (after truncation, with specials)."""
     tokens = sum(len(item.ids) for item in inputs)
+    vectors = finish_embeddings(vectors, body.dimensions, normalize=True)  # (N, k) unit rows
     payload = embeddings_body(state.config.model_name, vectors, body.encoding_format, tokens)
     return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

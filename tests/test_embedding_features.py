@@ -1,0 +1,247 @@
+"""Query/document prompts, Matryoshka dimensions and quantized vectors on tiny random models: the input ids a
+prompt gives, training with prompts per source, the Matryoshka loss, truncation, int8/binary round trips,
+and continuing an adapter's training where its checkpoints are gone."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_log
+from test_contrastive import _config, _method, _records, _write
+
+from unimae.adapter import adapter_meta, embedding_spec
+from unimae.embedding_spec import EmbeddingSpec
+from unimae.encoder import Encoder, finish_embeddings
+from unimae.losses.contrastive import info_nce
+from unimae.losses.simcse import ContrastiveObjective
+from unimae.methods.base import pooled_batch
+from unimae.methods.contrastive import parse_dims
+from unimae.models import load_model
+from unimae.trainer import train
+
+QUERY = "Instruct: find the passage\nQuery: "
+
+
+def _encoder(tiny_dir, **spec) -> Encoder:
+    model, tokenizer, _ = load_model(str(tiny_dir), dtype=torch.float32)
+    return Encoder(model, tokenizer, precision="fp32", max_length=32, spec=EmbeddingSpec(**spec))
+
+
+def test_a_prompt_is_a_text_prefix_that_truncation_keeps(tiny_model_dirs):
+    enc = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY, "document": ""})
+    text = "a cat sat on the mat"
+    plain = enc.spec.build_inputs(enc.tokenizer, [text], 32)[0].ids
+    prompted = enc.spec.build_inputs(enc.tokenizer, [text], 32, prompt=QUERY)[0].ids
+    assert prompted == enc.spec.build_inputs(enc.tokenizer, [QUERY + text], 32)[0].ids
+    assert len(prompted) > len(plain) and prompted[-1] == plain[-1] == enc.tokenizer.eos_token_id
+    short = enc.spec.build_inputs(enc.tokenizer, [text * 20], 12, prompt=QUERY)[0].ids  # the text's end is cut
+    prefix = enc.tokenizer(QUERY, add_special_tokens=True)["input_ids"]
+    assert short[: min(len(prefix), 11)] == prefix[:11] and len(short) == 12
+    np.testing.assert_array_equal(enc.encode_query([text]), enc.encode([QUERY + text]))
+    np.testing.assert_array_equal(enc.encode_document([text]), enc.encode([text]))  # document prompt ''
+    np.testing.assert_array_equal(enc.encode([text], prompt="x: "), enc.encode(["x: " + text]))
+    with pytest.raises(ValueError, match="unknown prompt 'passage'.*'document', 'query'"):
+        enc.encode([text], prompt_name="passage")
+
+
+def test_prompts_and_dimensions_travel_in_the_spec_and_old_specs_read_the_same():
+    spec = EmbeddingSpec(prompts={"query": QUERY}, matryoshka_dims=(128, 64, 64))
+    assert spec.matryoshka_dims == (64, 128) and spec.prompt("query") == QUERY and spec.prompt(None) == ""
+    assert EmbeddingSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert EmbeddingSpec().to_dict() == {"attention": "causal", "pooling": "eos", "pooling_options": {}}
+    assert "prompts" in spec.describe() or "query" in spec.describe()
+
+
+def test_dimensions_truncate_then_renormalise(tiny_model_dirs):
+    enc = _encoder(tiny_model_dirs["llama"], matryoshka_dims=(8,))
+    full = enc.encode(["one text", "another text"])
+    cut = enc.encode(["one text", "another text"], dimensions=8, normalize=True)
+    assert cut.shape == (2, 8)
+    np.testing.assert_allclose(np.linalg.norm(cut, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(cut, full[:, :8] / np.linalg.norm(full[:, :8], axis=1, keepdims=True), rtol=1e-5)
+    for bad in (0, enc.embedding_dim + 1, 2.5):
+        with pytest.raises(ValueError, match="dimensions must be an integer"):
+            enc.encode(["x"], dimensions=bad)
+
+
+def test_int8_and_binary_vectors_round_trip():
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((50, 64)).astype(np.float32)
+    ranges = np.stack([vectors.min(0), vectors.max(0)])
+    q = finish_embeddings(vectors, None, False, "int8", ranges=ranges)
+    assert q.dtype == np.int8 and q.shape == (50, 64)
+    steps = (ranges[1] - ranges[0]) / 255
+    back = (q.astype(np.float32) + 128) * steps + ranges[0]
+    assert np.abs(back - vectors).max() <= steps.max() + 1e-5
+    bits = finish_embeddings(vectors, None, False, "ubinary")
+    assert bits.dtype == np.uint8 and bits.shape == (50, 8)
+    np.testing.assert_array_equal(np.unpackbits(bits, axis=1).astype(bool), vectors > 0)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        finish_embeddings(vectors, None, False, "int4")
+
+
+def test_matryoshka_loss_is_the_sum_over_normalised_prefixes(tiny_model_dirs):
+    model, _, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    dims = model.config.hidden_size
+    objective = ContrastiveObjective(model, matryoshka_dims=(4, 8))
+    z = torch.randn(10, dims)
+    batch = {"num_queries": 5}
+    expected = sum(info_nce(z[:5, :m], z[5:, :m], 0.05) for m in (4, 8, dims))
+    torch.testing.assert_close(objective.loss(z, batch), expected)
+    torch.testing.assert_close(ContrastiveObjective(model).loss(z, batch), info_nce(z[:5], z[5:], 0.05))
+    with pytest.raises(ValueError, match="at most the model's size"):
+        ContrastiveObjective(model, matryoshka_dims=(dims + 1,))
+    assert parse_dims("256, 64,128") == (64, 128, 256) and parse_dims("") == ()
+    with pytest.raises(ValueError, match="comma-separated integers"):
+        parse_dims("64,big")
+
+
+def test_collate_prompts_asymmetric_sources_only(tiny_model_dirs, tmp_path):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    qa = _write(tmp_path / "qa.jsonl", _records(6, negatives=False))
+    para = _write(tmp_path / "para.jsonl", _records(6, start=10, negatives=False))
+    data = f"{qa},{para}"
+    method = _method(tokenizer, data=data, query_prompt=QUERY, document_prompt="D: ", symmetric_sources="para")
+    pairs = method.load_data()
+    by_source = {s: [p for p in pairs if p["source"] == s] for s in ("qa", "para")}
+    for source, prompted in (("qa", True), ("para", False)):
+        rows = by_source[source]
+        got = method.collate(rows, list(range(len(rows))))["input_ids"]
+        texts = [(QUERY if prompted else "") + r["query"] for r in rows]
+        texts += [("D: " if prompted else "") + r["positive"] for r in rows]
+        want = pooled_batch(tokenizer, texts, 24, EmbeddingSpec())["input_ids"]
+        assert torch.equal(got, want)
+    assert method.embedding_spec().prompt_map == {"query": QUERY, "document": "D: "}
+    with pytest.raises(ValueError, match="not among the --data sources"):
+        _method(tokenizer, data=data, symmetric_sources="nli").load_data()
+
+
+def test_trained_adapter_carries_prompts_and_dimensions(tiny_model_dirs, tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", _records(12))
+    out = tmp_path / "run"
+    train(_config(tiny_model_dirs["llama"], data, out, query_prompt=QUERY, matryoshka_dims="4,8", steps=2))
+    spec = embedding_spec(out / "adapter")
+    assert spec.prompt_map == {"query": QUERY, "document": ""} and spec.matryoshka_dims == (4, 8)
+
+
+def test_continue_adapter_picks_up_its_weights_step_and_data_order(tiny_model_dirs, tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", _records(24))
+    tiny = tiny_model_dirs["llama"]
+    train(_config(tiny, data, tmp_path / "a", steps=2))
+    whole = tmp_path / "whole"
+    train(_config(tiny, data, whole, steps=4))
+    # the loss of a step is computed before its update: step 3 of the continued run sees the weights and the
+    # batch that step 3 of the uninterrupted run saw
+    cont = tmp_path / "b"
+    train(_config(tiny, data, cont, steps=4, continue_adapter=str(tmp_path / "a" / "adapter")))
+    log, reference = read_log(cont), read_log(whole)
+    assert [r["step"] for r in log] == [3, 4]
+    assert [r["tokens"] for r in log] == [r["tokens"] for r in reference[2:]]
+    assert log[0]["loss"] == pytest.approx(reference[2]["loss"], rel=1e-5)
+    assert adapter_meta(cont / "adapter")["trained_steps"] == 4
+    with pytest.raises(ValueError, match="already holds 2 steps"):
+        train(_config(tiny, data, tmp_path / "c", steps=2, continue_adapter=str(tmp_path / "a" / "adapter")))
+    with pytest.raises(ValueError, match="differ from its run"):
+        train(
+            _config(
+                tiny,
+                data,
+                tmp_path / "d",
+                steps=4,
+                temperature=0.1,
+                continue_adapter=str(Path(tmp_path / "a" / "adapter")),
+            )
+        )
+
+
+def _post_embeddings(encoder, bodies: list[dict]) -> list:
+    """POST each body to /v1/embeddings of an in-process server over ``encoder``; the responses."""
+    import asyncio
+
+    import httpx
+
+    from unimae.serving.app import create_app
+    from unimae.serving.config import ServerConfig
+
+    app = create_app(encoder, ServerConfig(model_name="tiny"))
+    state = app.state.server
+
+    async def main():
+        state.batcher.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            responses = [await http.post("/v1/embeddings", json=body) for body in bodies]
+        await state.batcher.stop()
+        return responses
+
+    return asyncio.run(main())
+
+
+def test_server_input_type_and_dimensions(tiny_model_dirs):
+    trained = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY}, matryoshka_dims=(8,))
+    full = trained.embedding_dim
+    texts = ["the cat sat", "a dog ran"]
+    query, document, cut, whole, wide, zero = _post_embeddings(
+        trained,
+        [
+            {"input": texts, "input_type": "query"},
+            {"input": texts, "input_type": "document"},
+            {"input": texts, "dimensions": 8},
+            {"input": texts, "dimensions": full},
+            {"input": texts, "dimensions": full + 1},
+            {"input": texts, "dimensions": 0},
+        ],
+    )
+    vectors = lambda r: np.array([d["embedding"] for d in r.json()["data"]])  # noqa: E731
+    np.testing.assert_allclose(vectors(query), trained.encode_query(texts, normalize=True), atol=1e-5)
+    np.testing.assert_allclose(vectors(document), trained.encode(texts, normalize=True), atol=1e-5)  # no such prompt
+    np.testing.assert_allclose(vectors(cut), trained.encode(texts, dimensions=8, normalize=True), atol=1e-5)
+    assert vectors(whole).shape == (2, full)
+    for refused in (wide, zero):
+        assert refused.status_code == 400 and "dimensions must be from 1 to" in refused.json()["error"]["message"]
+    plain = _encoder(tiny_model_dirs["llama"])
+    (untrained, bad_type) = _post_embeddings(
+        plain, [{"input": texts, "dimensions": 8}, {"input": texts, "input_type": "x"}]
+    )
+    assert untrained.status_code == 400 and "not trained for shorter ones" in untrained.json()["error"]["message"]
+    assert bad_type.status_code == 400
+
+
+@pytest.mark.parametrize("kind", ["sq8", "binary"])
+def test_quantized_indexes_find_each_passage_and_say_their_size(tiny_model_dirs, tmp_path, kind):
+    from test_rag import PASSAGES
+
+    from unimae.index import IndexConfig, VectorIndex
+
+    enc = _encoder(tiny_model_dirs["llama"])
+    VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(kind=kind, shard_size=5))
+    loaded = VectorIndex.load(tmp_path / "idx")
+    hits = loaded.search(enc.encode([t for _, t in PASSAGES], normalize=True), k=3)
+    assert [h[0].id for h in hits] == [pid for pid, _ in PASSAGES]
+    # cosine scale, best first; a vector against its own sign vector: about sqrt(2 / pi) = 0.8 for binary
+    assert all(h[0].score > 0.7 and h[0].score >= h[1].score for h in hits)
+
+
+def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_model_dirs, tmp_path):
+    from test_rag import PASSAGES
+
+    from unimae.generation import GenerationParams
+    from unimae.index import IndexConfig, VectorIndex
+    from unimae.rag import RAG
+
+    enc = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY, "document": "passage: "}, matryoshka_dims=(8,))
+    index = VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(dimensions=8))
+    assert index.dim == 8 and np.load(tmp_path / "idx" / "shards" / "00000000.npy").shape[1] == 8
+    docs = enc.encode([t for _, t in PASSAGES], prompt_name="document", dimensions=8, normalize=True)
+    np.testing.assert_allclose(index.index.reconstruct_n(0, len(PASSAGES)), docs, atol=1e-5)
+    rag = RAG(enc, index)
+    question = "where did the cat sit"
+    want = index.search(enc.encode_query([question], dimensions=8, normalize=True), k=3)[0]
+    assert [h.id for h in rag.retrieve(question, k=3)] == [h.id for h in want]
+    params = GenerationParams(max_new_tokens=6)
+    cached, plain = rag.answer(question, params=params), rag.answer(question, params=params, reuse_kv=False)
+    assert cached.text == plain.text and cached.cached_tokens > 0
+    prompt_ids = enc.tokenizer(QUERY + question, add_special_tokens=True)["input_ids"]
+    assert cached.prompt_tokens >= len(prompt_ids) + 1  # the reused prefix holds the query prompt
