@@ -23,6 +23,21 @@ def test_embed_prints_vectors(tiny_model_dirs, capsys):
     assert len(rows) == 2 and len(rows[0]) == 64
 
 
+def test_embed_with_a_prompt_dimensions_and_binary_output(tiny_model_dirs, capsys):
+    tiny = str(tiny_model_dirs["llama"])
+    base = ["embed", "--model", tiny, "--precision", "fp32"]
+    assert main([*base, "--prompt", "q: ", "--dimensions", "16", "--normalize", "the cat"]) == 0
+    assert main([*base, "--normalize", "q: the cat"]) == 0
+    assert main([*base, "--quantize", "ubinary", "the cat", "a dog"]) == 0
+    prompted, plain, *bits = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(prompted) == 16 and abs(sum(x * x for x in prompted) - 1) < 1e-4
+    # prompt + text, cut to 16 and re-normalised
+    cut = plain[:16]
+    norm = sum(x * x for x in cut) ** 0.5
+    assert max(abs(a - b / norm) for a, b in zip(prompted, cut, strict=True)) < 1e-4
+    assert len(bits) == 2 and len(bits[0]) == 64 // 8 and all(0 <= b < 256 for b in bits[0])
+
+
 def test_embed_to_npy(tiny_model_dirs, tmp_path, capsys):
     src = tmp_path / "in.txt"
     src.write_text("one\ntwo\nthree\n")

@@ -122,8 +122,23 @@ def test_trained_adapter_carries_prompts_and_dimensions(tiny_model_dirs, tmp_pat
     data = _write(tmp_path / "pairs.jsonl", _records(12))
     out = tmp_path / "run"
     train(_config(tiny_model_dirs["llama"], data, out, query_prompt=QUERY, matryoshka_dims="4,8", steps=2))
-    spec = embedding_spec(out / "adapter")
+    adapter = out / "adapter"
+    spec = embedding_spec(adapter)
     assert spec.prompt_map == {"query": QUERY, "document": ""} and spec.matryoshka_dims == (4, 8)
+    # the sentence-transformers export carries the prompts: its encode_query is unimae's encode_query
+    from sentence_transformers import SentenceTransformer
+
+    from unimae.export import export
+
+    tiny = str(tiny_model_dirs["llama"])
+    exported = export(tiny, str(adapter), tmp_path / "st", fmt="sentence-transformers", max_length=32)
+    st = SentenceTransformer(str(exported))
+    ours = Encoder.from_pretrained(tiny, adapter=str(adapter), precision="fp32", max_length=32)
+    texts = ["the cat sat on the mat", "a dog"]
+    theirs = st.encode_query(texts, normalize_embeddings=True)
+    assert (theirs * ours.encode_query(texts, normalize=True)).sum(1).min() >= 0.9999
+    assert (theirs * ours.encode(texts, normalize=True)).sum(1).min() < 0.9999  # the prompt changed them
+    assert "Prompt `query`" in (tmp_path / "st" / "README.md").read_text()
 
 
 def test_continue_adapter_picks_up_its_weights_step_and_data_order(tiny_model_dirs, tmp_path):

@@ -69,7 +69,7 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
     if not (directory / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"{directory} is not an adapter directory (no adapter_config.json); pass the 'adapter' folder "
-            "written by `unimae train`"
+            "written by `unimae train`, or the name of a release (`unimae models` lists them)"
         )
     config = read_json(directory / "adapter_config.json", "adapter config")  # a clear error before peft parses it
     meta = adapter_meta(directory)

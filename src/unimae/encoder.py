@@ -26,6 +26,7 @@ from unimae.generation import GenerationParams, generate_text
 from unimae.kv_cache import returned_cache
 from unimae.pooling import PooledInput, pool
 from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
+from unimae.release import resolve_adapter
 from unimae.runtime import tune_allocator
 from unimae.tokenization import pad_batch
 
@@ -84,7 +85,8 @@ class Encoder:
         attention: str | None = None,
         **kwargs,
     ) -> Encoder:
-        """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter``.
+        """Load ``model`` (Hub id, directory, .gguf or offline short name) and optionally ``adapter`` (a folder,
+        or the name of a released adapter: :mod:`unimae.release`).
 
         ``pooling='auto'`` takes the pooling the adapter was trained for (its :class:`EmbeddingSpec`:
         ``eos`` for UniMAE, ``mean`` for MNTP, ``summary`` for GEM; ``eos`` without an adapter); the attention
@@ -97,6 +99,7 @@ class Encoder:
         training. ``merge=True`` trades that for speed (e.g. ``unimae serve --merge``); ``merge=False`` also
         keeps the base model reachable through :meth:`adapter_disabled`.
         """
+        adapter = resolve_adapter(adapter)  # a folder, or the name of a released adapter
         device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
         precision = resolve_precision(kwargs.get("precision", "auto"), device)
         spec = _resolve_spec(embedding_spec(adapter), pooling, attention, kwargs)

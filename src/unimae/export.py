@@ -63,7 +63,18 @@ One model, two jobs: it generates text as the base model does, and it embeds sen
 - **Pooling:** {_usage(spec, fmt)}
 - **Similarity:** cosine.
 - **Training recipe:** {recipe}.
-"""
+{_prompt_lines(spec)}"""
+
+
+def _prompt_lines(spec: EmbeddingSpec) -> str:
+    """Model-card lines for the prompts and Matryoshka dimensions an adapter was trained with ('' without)."""
+    lines = [f"- **Prompt `{name}`:** `{text!r}` (prepended to the text)" for name, text in spec.prompts]
+    if spec.prompts:
+        lines.append("  (sentence-transformers: `encode_query` / `encode_document`; llama.cpp: prepend it yourself)")
+    if spec.matryoshka_dims:
+        dims = ", ".join(map(str, spec.matryoshka_dims))
+        lines.append(f"- **Matryoshka dimensions:** {dims} (keep the first k coordinates, then re-normalise)")
+    return "".join(line + "\n" for line in lines)
 
 
 def merged_model(model: str, adapter: str | None):
@@ -168,7 +179,8 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     mode = "lasttoken" if spec.pooling == "eos" else "mean"
     width = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # renamed in 6.x
     pooling = models.Pooling(width(), pooling_mode=mode)
-    SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine").save(str(out))
+    prompts = spec.prompt_map or None  # encode_query / encode_document use the "query" / "document" prompts
+    SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine", prompts=prompts).save(str(out))
     shutil.rmtree(transformer_dir)
     add_legacy_pooling_keys(out, mode)
 

@@ -1,4 +1,6 @@
-"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, models.
+"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, release.
+
+``unimae models`` lists the offline models and the releases.
 
 One module per group of subcommands; each adds its parsers (``add_*_parser(sub)``) and handlers that
 only turn arguments into one library call and print the result.
@@ -15,6 +17,7 @@ from unimae.cli.evaluate import add_check_parser, add_compare_parser, add_evalua
 from unimae.cli.export import add_export_parser
 from unimae.cli.index import add_ask_parser, add_index_parser
 from unimae.cli.models import add_models_parser
+from unimae.cli.release import add_release_parser
 from unimae.cli.serve import add_serve_parser
 from unimae.cli.train import add_train_parser
 
@@ -30,6 +33,7 @@ SUBCOMMANDS = (
     add_ask_parser,
     add_serve_parser,
     add_models_parser,
+    add_release_parser,
 )
 
 

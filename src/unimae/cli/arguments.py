@@ -52,12 +52,23 @@ def add_precision_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def adapter_argument(value: str) -> str:
+    """``--adapter``: a folder, or the name of a released adapter (``unimae.release``); anything else is passed on
+    as given, and loading it names the problem."""
+    from unimae.release import find_release
+
+    return find_release(value) or value
+
+
+ADAPTER_HELP = "Adapter folder written by `unimae train`, or a release name (see `unimae models`)."
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = False) -> None:
     """``--model``, ``--adapter``, ``--precision``; ``from_index``: model and adapter default to the index's."""
     if from_index:
         parser.add_argument("--model", help="Default: the model the index was built with.")
-        parser.add_argument("--adapter", help="Default: the adapter the index was built with.")
+        parser.add_argument("--adapter", type=adapter_argument, help="Default: the adapter the index was built with.")
     else:
         parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
-        parser.add_argument("--adapter", help="Adapter directory written by `unimae train`.")
+        parser.add_argument("--adapter", type=adapter_argument, help=ADAPTER_HELP)
     add_precision_argument(parser)

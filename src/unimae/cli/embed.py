@@ -25,6 +25,18 @@ def add_embed_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass.")
     parser.add_argument("--max-length", type=int, default=512, help="Tokens per text, EOS included.")
     parser.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings.")
+    parser.add_argument(
+        "--prompt-name",
+        help="Embed with the adapter's prompt of this name: 'query' for search queries, 'document' for passages.",
+    )
+    parser.add_argument("--prompt", help="Embed after this text prefix (wins over --prompt-name).")
+    parser.add_argument("--dimensions", type=int, help="Keep the first k coordinates (Matryoshka).")
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "uint8", "binary", "ubinary"),
+        help="Quantize the vectors (sentence-transformers): int8/uint8 with per-dimension ranges from these "
+        "texts' own embeddings; binary/ubinary packs sign bits (D / 8 bytes).",
+    )
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,13 +71,21 @@ def _embed(args: argparse.Namespace) -> int:
     encoder = Encoder.from_pretrained(
         args.model, adapter=args.adapter, pooling=args.pooling, max_length=args.max_length, precision=args.precision
     )
-    vectors = encoder.encode(texts, batch_size=args.batch_size, normalize=args.normalize)
+    vectors = encoder.encode(
+        texts,
+        batch_size=args.batch_size,
+        normalize=args.normalize,
+        prompt_name=args.prompt_name,
+        prompt=args.prompt,
+        dimensions=args.dimensions,
+        precision=args.quantize or "float32",
+    )
     if args.output:
         np.save(args.output, vectors)
-        print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} float32 embeddings to {args.output}")
+        print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} {vectors.dtype} embeddings to {args.output}")
     else:
         for row in vectors:
-            print(json.dumps([round(float(x), 6) for x in row]))
+            print(json.dumps(row.tolist() if args.quantize else [round(float(x), 6) for x in row]))
     return 0
 
 

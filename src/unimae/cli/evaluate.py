@@ -9,7 +9,13 @@ import sys
 from pathlib import Path
 
 from unimae.attention import ATTENTION_RULES
-from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments, add_pooling_argument
+from unimae.cli.arguments import (
+    DEFAULT_MODEL,
+    adapter_argument,
+    add_command,
+    add_model_arguments,
+    add_pooling_argument,
+)
 from unimae.evaluation.generation import SCORERS
 
 
@@ -117,7 +123,9 @@ def _add_generation_parser(kinds: argparse._SubParsersAction) -> None:
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "compare", "The paper's embedding and generation tables for one base model.", _compare)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
-    parser.add_argument("--adapter", action="append", help="A trained adapter (repeat for several).")
+    parser.add_argument(
+        "--adapter", action="append", type=adapter_argument, help="A trained adapter or release (repeat for several)."
+    )
     parser.add_argument("--data-dir", help="Local data in the shared/data layout.")
     parser.add_argument("--output-dir", default="results/compare", help="Where the tables are written.")
     parser.add_argument("--tasks", nargs="+", default=["dev"], help="Embedding task groups or mteb task names.")

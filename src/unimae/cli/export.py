@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from unimae.cli.arguments import DEFAULT_MODEL, add_command
+from unimae.cli.arguments import ADAPTER_HELP, DEFAULT_MODEL, adapter_argument, add_command
 from unimae.export import FORMATS
 from unimae.gguf_export import GGUF_TYPES
 
@@ -19,7 +19,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         _export,
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
-    parser.add_argument("--adapter", help="Adapter directory written by `unimae train`.")
+    parser.add_argument("--adapter", type=adapter_argument, help=ADAPTER_HELP)
     parser.add_argument(
         "--format",
         default="hf",

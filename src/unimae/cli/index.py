@@ -21,7 +21,14 @@ def add_index_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--field", default="text", help="Text field of a .jsonl / .parquet corpus.")
     parser.add_argument("--id-field", default="id", help="Id field of a .jsonl corpus (else the line number).")
     parser.add_argument("--output-dir", default="runs/index", help="The index folder (resumed if it exists).")
-    parser.add_argument("--kind", default="flat", choices=INDEX_KINDS, help="flat = exact search.")
+    parser.add_argument(
+        "--kind",
+        default="flat",
+        choices=INDEX_KINDS,
+        help="flat = exact search; hnsw / ivf approximate; sq8 = int8 codes (1/4 the memory), binary = sign bits "
+        "(1/32), rescored with the float query.",
+    )
+    parser.add_argument("--dimensions", type=int, help="Index the first k coordinates (Matryoshka adapters).")
     parser.add_argument("--shard-size", type=int, default=256, help="Passages per saved shard (the resume unit).")
     parser.add_argument("--batch-size", type=int, default=16, help="Passages per forward pass.")
     parser.add_argument("--max-length", type=int, default=512, help="Tokens per passage, EOS included.")
@@ -47,7 +54,9 @@ def _index(args: argparse.Namespace) -> int:
     from unimae.encoder import Encoder
     from unimae.index import IndexConfig, VectorIndex
 
-    config = IndexConfig(kind=args.kind, shard_size=args.shard_size, batch_size=args.batch_size)
+    config = IndexConfig(
+        kind=args.kind, shard_size=args.shard_size, batch_size=args.batch_size, dimensions=args.dimensions
+    )
     passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
     print(f"{len(passages)} passages from {args.corpus}")
     encoder = Encoder.from_pretrained(

@@ -1,0 +1,63 @@
+"""``unimae release``: a trained adapter into ``releases/<name>/`` (bf16 weights, spec, generated model card)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from unimae.cli.arguments import add_command
+
+
+def add_release_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub,
+        "release",
+        "Write a released adapter (bf16 LoRA, adapter_config.json, unimae.json, model card) into releases/<name>/.",
+        _release,
+    )
+    parser.add_argument("--adapter", help="The adapter folder to release (not needed with --card-only).")
+    parser.add_argument("--name", required=True, help="Release name, e.g. unimae-gemma3-270m-retriever.")
+    parser.add_argument("--root", default=None, help="Folder of releases (default: the repository's releases/).")
+    parser.add_argument("--dev-results", required=True, help="The released adapter's dev-suite folder (mteb JSONs).")
+    parser.add_argument("--summary", help="`unimae evaluate summary` JSON with the reference rows.")
+    parser.add_argument("--generation", help="generation.json of the adapter (unimae evaluate generation).")
+    parser.add_argument("--base-generation", help="generation.json of the base model.")
+    parser.add_argument("--rag", help="The RAG benchmark JSON.")
+    parser.add_argument("--repetition", help="The greedy-repetition JSON.")
+    parser.add_argument("--table", action="append", default=[], help="More summary JSONs to show (repeat).")
+    parser.add_argument("--train-log", action="append", default=[], help="log.jsonl of each training sitting.")
+    parser.add_argument("--command", default="", help="The recipe command that trained it (for the card).")
+    parser.add_argument("--card-only", action="store_true", help="Only regenerate the card of an existing release.")
+
+
+def _release(args: argparse.Namespace) -> int:
+    from unimae.release import REPOSITORY_RELEASES, make_release, release_meta
+    from unimae.release_card import CardInputs, build_card
+
+    root = Path(args.root) if args.root else REPOSITORY_RELEASES
+    optional = lambda value: Path(value) if value else None  # noqa: E731
+    inputs = CardInputs(
+        name=args.name,
+        release=root / args.name,
+        dev_results=Path(args.dev_results),
+        summary=optional(args.summary),
+        generation=optional(args.generation),
+        base_generation=optional(args.base_generation),
+        rag=optional(args.rag),
+        repetition=optional(args.repetition),
+        extra_tables=[Path(t) for t in args.table],
+        train_logs=[Path(t) for t in args.train_log],
+        command=args.command,
+    )
+    if args.card_only:
+        card = build_card(inputs, release_meta(inputs.release))
+        (inputs.release / "README.md").write_text(card, encoding="utf-8")
+        print(f"wrote the model card of {inputs.release}")
+        return 0
+    if not args.adapter:
+        raise ValueError("--adapter is needed to write a release (or pass --card-only)")
+    from unimae.adapter import adapter_meta
+
+    out = make_release(args.adapter, args.name, root, card=build_card(inputs, adapter_meta(args.adapter)))
+    print(f"wrote release {out}")
+    return 0

@@ -1,0 +1,133 @@
+"""Released adapters: trained adapters that ship in this repository's ``releases/<name>/``, usable by name.
+
+A release folder holds what a user needs to embed and generate with it and nothing to train it further:
+``adapter_model.safetensors`` (the LoRA weights in bf16), ``adapter_config.json``, ``unimae.json`` (base model,
+its fingerprint, the :class:`~unimae.embedding_spec.EmbeddingSpec` with its prompts and Matryoshka dimensions,
+the training config) and a model card ``README.md`` in the Hugging Face format, whose ``model-index`` and tables
+are generated from the evaluation's result files (``unimae release --card-only`` regenerates it).
+
+Names resolve like offline models (:func:`resolve_adapter`): ``Encoder.from_pretrained("gemma3-270m",
+adapter="unimae-gemma3-270m-retriever")`` finds ``releases/unimae-gemma3-270m-retriever`` from any working
+directory (the folders of ``$UNIMAE_RELEASES``, ``:``-separated, are searched first, then the repository's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from unimae.adapter import ADAPTER_META, INIT_ADAPTER, adapter_meta
+from unimae.files import atomic_write_json, atomic_write_text, read_json
+
+logger = logging.getLogger(__name__)
+
+RELEASES_ENV = "UNIMAE_RELEASES"
+REPOSITORY_RELEASES = Path(__file__).resolve().parents[2] / "releases"  # a source checkout / editable install
+MAX_WEIGHTS_BYTES = 16 * 2**20
+RELEASE_FILES = ("adapter_model.safetensors", "adapter_config.json", ADAPTER_META, "README.md")
+
+
+def release_roots() -> list[Path]:
+    """Folders searched for release names, in order: ``$UNIMAE_RELEASES`` entries, then the repository's."""
+    extra = [Path(p).expanduser() for p in os.environ.get(RELEASES_ENV, "").split(os.pathsep) if p]
+    return [*extra, REPOSITORY_RELEASES]
+
+
+def available_releases() -> list[str]:
+    """Names of the releases found in :func:`release_roots`."""
+    names = {p.name for root in release_roots() if root.is_dir() for p in root.iterdir() if _is_release(p)}
+    return sorted(names)
+
+
+def _is_release(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file() and (folder / ADAPTER_META).is_file()
+
+
+def find_release(adapter: str | Path) -> str | None:
+    """The folder of the release named ``adapter`` (a plain name that is not an existing path), else None."""
+    path = Path(adapter).expanduser()
+    if path.exists() or len(path.parts) > 1:
+        return None
+    for root in release_roots():
+        if _is_release(root / str(adapter)):
+            return str(root / str(adapter))
+    return None
+
+
+def resolve_adapter(adapter: str | Path | None) -> str | None:
+    """An adapter argument -> a folder path: an existing path as given, else a release of that name; None stays
+    None. A plain name that is neither is an error listing the releases."""
+    if adapter is None:
+        return None
+    path = Path(adapter).expanduser()
+    if path.exists() or len(path.parts) > 1:
+        return str(path)
+    found = find_release(adapter)
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"adapter {str(adapter)!r} is neither a folder nor a release; releases: {available_releases() or 'none'} "
+        f"(searched {', '.join(map(str, release_roots()))})"
+    )
+
+
+def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_RELEASES, card: str = "") -> Path:
+    """Write ``root/name/`` from a trained ``adapter`` folder: its LoRA weights cast to bf16, its config and
+    ``unimae.json``, and ``card`` as README.md. Replaces an earlier release of that name (one per model).
+
+    Refuses an adapter trained on top of an init adapter (a release is one LoRA on the base model) and weights
+    over 16 MiB in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    source = Path(adapter)
+    meta = adapter_meta(source)
+    if not meta:
+        raise FileNotFoundError(f"{source} has no {ADAPTER_META}: pass an adapter folder written by `unimae train`")
+    if meta.get("init_adapter") or (source / INIT_ADAPTER).exists():
+        raise ValueError(f"{source} was trained on top of an init adapter; a release is one LoRA on the base model")
+    weights = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(source / "adapter_model.safetensors").items()}
+    size = sum(v.numel() * v.element_size() for v in weights.values())
+    if size > MAX_WEIGHTS_BYTES:
+        raise ValueError(f"{source}: {size / 2**20:.1f} MiB of weights in bf16, over the release limit of 16 MiB")
+    out = Path(root) / name
+    partial = out.with_name(f".{name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(weights, partial / "adapter_model.safetensors", metadata={"format": "pt"})
+    shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
+    atomic_write_json(partial / ADAPTER_META, {**meta, "release": {"name": name, "weights_dtype": "bfloat16"}})
+    atomic_write_text(partial / "README.md", card)
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
+
+
+def release_meta(release: str | Path) -> dict:
+    """The ``unimae.json`` of a release folder."""
+    return read_json(Path(release) / ADAPTER_META, "release metadata")
+
+
+def card_scores(card: str) -> dict[str, float]:
+    """{task name: main score} from a model card's ``model-index`` block (the YAML front matter)."""
+    import yaml
+
+    front = card.split("---", 2)[1] if card.startswith("---") else ""
+    data = yaml.safe_load(front) or {}
+    scores = {}
+    for entry in data.get("model-index", []):
+        for result in entry.get("results", []):
+            name = result.get("dataset", {}).get("name", "").removeprefix("MTEB ")
+            for metric in result.get("metrics", []):
+                if metric.get("type") == "main_score":
+                    scores[name] = float(metric["value"])
+    return scores
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=2)

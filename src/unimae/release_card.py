@@ -1,0 +1,295 @@
+"""The model card (``README.md``) of a released adapter, generated from its ``unimae.json`` and result files.
+
+Nothing in a card is typed by hand: the ``model-index`` block and the tables come from the evaluation's own
+JSON (mteb task results, ``unimae evaluate generation``'s ``generation.json``, the RAG benchmark, the
+greedy-repetition check, the per-dimension and per-index-kind tables), and the training command, data, wall
+time and machine from the adapter's training config and its runs' logs. A result that is not there yet is
+left out and the card says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from unimae.config import TrainConfig
+from unimae.evaluation.generation import average_accuracy
+from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
+
+# The base models of the offline short names: the Hugging Face ids and licences a card names.
+BASE_MODELS = {
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "Apache-2.0"),
+    "gemma3-270m": ("google/gemma-3-270m", "gemma", "the Gemma Terms of Use (ai.google.dev/gemma/terms)"),
+}
+# The licences of the supervised pairs (the data folder's README), by source file name.
+DATA_LICENCES = {
+    "snli_subset_cat": "SNLI: CC BY-SA 4.0",
+    "snli_counterfactual_cad": "Apache-2.0 (SNLI: CC BY-SA 4.0)",
+    "medical_question_entailment_rqe": "CC BY 4.0",
+    "medquad_qa": "CC BY 4.0",
+    "parasci_paraphrase": "derived from ACL Anthology and S2ORC (CC BY-NC): research use only",
+    "mrpc_train_paraphrase": "Microsoft Research licence (research use)",
+    "trecqa_answer_selection": "research data, no explicit licence",
+    "debian_package_descriptions": "each package's own (Debian main: DFSG-free)",
+    "wiki_ict": "Wikipedia text: CC BY-SA 4.0 (inverse-cloze pairs built by recipes/make_pairs_wiki.py)",
+}
+
+
+@dataclass
+class CardInputs:
+    """Where a card's numbers come from (paths that do not exist are skipped)."""
+
+    name: str
+    release: Path
+    dev_results: Path  # folder of the mteb task JSONs of the released adapter (a label folder)
+    summary: Path | None = None  # `unimae evaluate summary` JSON with reference rows
+    generation: Path | None = None
+    base_generation: Path | None = None
+    rag: Path | None = None
+    repetition: Path | None = None
+    extra_tables: list[Path] = field(default_factory=list)  # summary JSONs (dimensions, index kinds) to show
+    train_logs: list[Path] = field(default_factory=list)  # log.jsonl of each sitting of the training run
+    command: str = ""  # the recipe command that trained it
+
+
+def build_card(inputs: CardInputs, meta: dict) -> str:
+    """The whole card: YAML front matter, then the sections."""
+    tasks = _dev_scores(inputs.dev_results)
+    sections = [
+        _front_matter(inputs.name, meta, tasks, inputs.dev_results),
+        _intro(inputs.name, meta),
+        _usage(inputs.name, meta),
+        _results(inputs, tasks),
+        _training(inputs, meta),
+        _limits(meta),
+    ]
+    return "\n".join(s for s in sections if s)
+
+
+def _dev_scores(folder: Path) -> dict[str, dict]:
+    """{task: mteb result JSON} of the released adapter's dev-suite run."""
+    out = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        if path.name == "run.json" or path.name.endswith(".error.json"):
+            continue
+        data = json.loads(path.read_text())
+        if "task_name" in data:
+            out[data["task_name"]] = data
+    return out
+
+
+def _main_score(result: dict) -> float:
+    scores = result["scores"]
+    split = "test" if "test" in scores else next(iter(scores))
+    return float(scores[split][0]["main_score"]) * 100
+
+
+def _front_matter(name: str, meta: dict, tasks: dict[str, dict], folder: Path) -> str:
+    import yaml
+
+    model = meta.get("base_model", "")
+    hub_id, licence, _ = BASE_MODELS.get(model, (model, "other", "the base model's"))
+    results = []
+    for task, data in tasks.items():
+        results.append(
+            {
+                "task": {"type": task_type(task)},
+                "dataset": {"type": f"mteb/{task}", "name": f"MTEB {task}", "revision": data.get("dataset_revision")},
+                "metrics": [{"type": "main_score", "value": round(_main_score(data), 2)}],
+            }
+        )
+    front = {
+        "base_model": hub_id,
+        "library_name": "peft",
+        "license": licence,
+        "pipeline_tag": "feature-extraction",
+        "tags": ["unimae", "sentence-embeddings", "text-generation", "lora", "mteb", "rag"],
+        "model-index": [{"name": name, "results": results}],
+    }
+    return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
+
+
+def _intro(name: str, meta: dict) -> str:
+    from unimae.embedding_spec import EmbeddingSpec
+
+    spec = EmbeddingSpec.from_dict(meta.get("embedding"))
+    model = meta.get("base_model", "")
+    _, _, licence = BASE_MODELS.get(model, (model, "", "the base model's"))
+    prompts = "".join(f"- prompt `{k}`: `{v!r}`\n" for k, v in spec.prompts) or "- no prompts\n"
+    dims = ", ".join(map(str, spec.matryoshka_dims)) or "none (full size only)"
+    return f"""# {name}
+
+A LoRA adapter for `{model}` that makes the one model a retriever and keeps it a generator: the same weights
+embed queries and passages (the last-layer state at an appended EOS token) and generate the answer, so a RAG
+system needs one model instead of an encoder and an LLM. Trained with unimae (UniMAE, ACL 2025, and a supervised
+contrastive stage with a next-token term); weights stored in bf16.
+
+- Embedding: {spec.describe()}; cosine similarity; {_dim(meta)} dimensions.
+{prompts}- Matryoshka dimensions: {dims}.
+- Licence: the adapter follows its base model, {licence}; see the training data's licences below.
+"""
+
+
+def _dim(meta: dict) -> str:
+    dims = meta.get("release", {}).get("hidden_size")
+    return str(dims) if dims else "the base model's hidden size"
+
+
+def _usage(name: str, meta: dict) -> str:
+    model = meta.get("base_model", "MODEL")
+    return f"""## Use
+
+```python
+from unimae import Encoder
+
+enc = Encoder.from_pretrained("{model}", adapter="{name}")   # a release name resolves from any directory
+q = enc.encode_query(["Who directed the film Solaris?"], normalize=True)
+d = enc.encode_document(["Solaris is a 1972 film directed by Andrei Tarkovsky."], normalize=True)
+print(q @ d.T, enc.generate("The capital of France is", max_new_tokens=8))
+```
+
+```bash
+unimae index --model {model} --adapter {name} --corpus passages.jsonl --output-dir runs/index
+unimae ask "Who directed the film Solaris?" --index runs/index
+unimae serve --model {model} --adapter {name} --index runs/index   # /v1/embeddings (input_type, dimensions), /v1/rag
+```
+"""
+
+
+def _results(inputs: CardInputs, tasks: dict[str, dict]) -> str:
+    parts = ["## Results\n"]
+    if not tasks:
+        return "## Results\n\nNot evaluated yet.\n"
+    parts.append(_dev_table(inputs, list(tasks)))
+    for path in inputs.extra_tables:
+        if Path(path).is_file():
+            parts.append(_summary_json_table(Path(path)))
+    parts.append(_generation_lines(inputs))
+    parts.append(_rag_lines(inputs))
+    return "\n".join(p for p in parts if p)
+
+
+def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
+    rows = [read_row(Path(inputs.dev_results), tasks, label=inputs.name)]
+    text = "Dev suite (9 MTEB tasks, official mteb evaluators, main score x 100):\n\n"
+    if inputs.summary is not None and Path(inputs.summary).is_file():
+        return text + _summary_json_table(Path(inputs.summary), first=(inputs.name, rows[0]))
+    header, cells = summary_table(rows)
+    return text + markdown_table(header, cells) + "\n"
+
+
+def _summary_json_table(path: Path, first=None) -> str:
+    """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads."""
+    data = json.loads(path.read_text())
+    tasks = sorted({t for entry in data.values() for t in entry.get("tasks", {})})
+    lines = ["| model | average | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 2) + "|"]
+    entries = list(data.items())
+    if first is not None:
+        label, row = first
+        entries = [(label, {"tasks": row.task_scores, "average": row.average})] + [e for e in entries if e[0] != label]
+    for label, entry in entries:
+        scores = entry.get("tasks", {})
+        cells = [_fmt(scores.get(t)) for t in tasks]
+        lines.append(f"| {label} | {_fmt(entry.get('average'))} | " + " | ".join(cells) + " |")
+    return f"{path.stem}:\n\n" + "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
+
+
+def _generation_lines(inputs: CardInputs) -> str:
+    lines = []
+    for label, path in (("this adapter", inputs.generation), ("base model", inputs.base_generation)):
+        if path is not None and Path(path).is_file():
+            mean, stderr, n = average_accuracy(json.loads(Path(path).read_text())["results"])
+            spread = f" +- {stderr * 100:.2f}" if stderr is not None else ""
+            lines.append(
+                f"- Generation ({n} lm-eval tasks, every item, average accuracy), {label}: {mean * 100:.2f}{spread}"
+            )
+    if inputs.repetition is not None and Path(inputs.repetition).is_file():
+        lines.append(f"- Greedy generation, repeated word 3-grams: see `{inputs.repetition.name}`")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _rag_lines(inputs: CardInputs) -> str:
+    if inputs.rag is None or not Path(inputs.rag).is_file():
+        return ""
+    data = json.loads(Path(inputs.rag).read_text())
+    lines = []
+    for key, entry in data.items():
+        if isinstance(entry, dict) and "retrieval_acc1" in entry:
+            lines.append(
+                f"- RAG benchmark `{key}` ({entry.get('models')}): retrieval acc@1 {entry['retrieval_acc1']:.2f}"
+            )
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _training(inputs: CardInputs, meta: dict) -> str:
+    config = meta.get("training_config", {})
+    seconds = sum(_log_seconds(p) for p in inputs.train_logs)
+    cpus = sorted({c for p in inputs.train_logs for c in _log_cpus(p)})
+    sources = [Path(p).name.removesuffix(".jsonl") for p in str(config.get("data", "")).split(",") if p]
+    data_rows = "".join(f"| {s} | {DATA_LICENCES.get(s, 'see its source')} |\n" for s in sources)
+    return f"""## Training
+
+```bash
+{inputs.command or train_command(config)}
+```
+
+- Steps: {meta.get("trained_steps")} of {config.get("batch_size")} pairs; wall time {seconds / 3600:.1f} h of
+  training steps ({", ".join(cpus) or "CPU not recorded"}; 2 CPU cores).
+- Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
+
+| source | licence |
+|---|---|
+{data_rows}"""
+
+
+def train_command(config: dict) -> str:
+    """``unimae train`` with the flags of ``config`` that differ from the defaults."""
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    flags = []
+    for key, value in config.items():
+        if key in defaults and value != defaults[key] and key not in ("output_dir", "threads"):
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else f"--no-{key.replace('_', '-')}")
+            else:
+                flags.append(f"{flag} {shell_word(value) if isinstance(value, str) else value}")
+    return "unimae train " + " \\\n  ".join(flags)
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one bash word: bare when safe, ``$'...'`` when it holds a newline, else single-quoted."""
+    if "\n" in text:
+        return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+    return shlex.quote(text)
+
+
+def _log_seconds(path: Path) -> float:
+    if not Path(path).is_file():
+        return 0.0
+    return sum(json.loads(line).get("seconds", 0.0) for line in Path(path).read_text().splitlines() if line.strip())
+
+
+def _log_cpus(path: Path) -> list[str]:
+    run = Path(path).with_name("run.json")
+    cpu = json.loads(run.read_text()).get("cpu_model") if run.is_file() else None
+    return [cpu] if cpu else []
+
+
+def _limits(meta: dict) -> str:
+    return """## Intended use and limits
+
+- English retrieval and sentence similarity for RAG and search, from a small model that also answers; trained
+  and evaluated on 2 CPU cores, one seed. Scores on tasks unlike the training pairs may be lower.
+- Generation is the base model's, nudged by the training (see the generation figures above); answers of a
+  small model are often wrong even with the right passage retrieved.
+- The prompts matter: embed queries with `encode_query` (or `input_type: query`) and passages with
+  `encode_document`; llama.cpp users prepend the query prompt themselves.
+- Some training sources are for research use only (table above): check them before commercial use.
+"""

@@ -1,0 +1,77 @@
+"""Released adapters on tiny models: bf16 weights, resolution by name from any directory, the generated card,
+and the refusals (an adapter on top of an init adapter, an unknown name). The released retrievers themselves
+are checked against their cards in test_integration.py."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_contrastive import _config, _records, _write
+
+from unimae.cli import main
+from unimae.encoder import Encoder
+from unimae.release import card_scores, make_release, resolve_adapter
+from unimae.release_card import CardInputs, build_card, train_command
+from unimae.trainer import train
+
+
+@pytest.fixture
+def adapter(tiny_model_dirs, tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", _records(12))
+    train(_config(tiny_model_dirs["llama"], data, tmp_path / "run", steps=2, query_prompt="q: "))
+    return tmp_path / "run" / "adapter"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCORED = ROOT / "results" / "retrieval-smollm2" / "retrieval-eos"  # real mteb result files, as a card reads them
+
+
+def _task_result(folder, task: str) -> float:
+    """Copy a real mteb result of ``task`` into ``folder`` -> its main score x 100."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(SCORED / f"{task}.json", folder / f"{task}.json")
+    return round(json.loads((folder / f"{task}.json").read_text())["scores"]["test"][0]["main_score"] * 100, 2)
+
+
+def test_a_release_is_bf16_found_by_name_and_embeds_as_its_adapter(tiny_model_dirs, adapter, tmp_path, monkeypatch):
+    tiny = str(tiny_model_dirs["llama"])
+    dev = tmp_path / "dev"
+    expected = {task: _task_result(dev, task) for task in ("STS17", "SciFact")}
+    card = build_card(CardInputs("tiny-retriever", tmp_path, dev), json.loads((adapter / "unimae.json").read_text()))
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases", card=card)
+    weights = load_file(out / "adapter_model.safetensors")
+    assert weights and all(v.dtype == torch.bfloat16 for v in weights.values())
+    assert card_scores((out / "README.md").read_text()) == expected
+    assert "model-index" in card and "q: " in card and "unimae train" in card
+    monkeypatch.setenv("UNIMAE_RELEASES", str(tmp_path / "releases"))
+    monkeypatch.chdir(tmp_path / "dev")  # any working directory
+    assert resolve_adapter("tiny-retriever") == str(out)
+    released = Encoder.from_pretrained(tiny, adapter="tiny-retriever", precision="fp32")
+    trained = Encoder.from_pretrained(tiny, adapter=str(adapter), precision="fp32")
+    texts = ["the cat sat", "a dog ran"]
+    assert released.spec == trained.spec
+    cos = (released.encode_query(texts, normalize=True) * trained.encode_query(texts, normalize=True)).sum(1)
+    assert np.all(cos > 0.999)  # bf16 storage of the LoRA weights only
+    assert main(["models"]) == 0
+
+
+def test_unknown_names_and_stacked_adapters_are_clear_errors(tiny_model_dirs, adapter, tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a folder nor a release"):
+        resolve_adapter("no-such-release")
+    data = _write(tmp_path / "more.jsonl", _records(12))
+    out = tmp_path / "stacked"
+    train(_config(tiny_model_dirs["llama"], data, out, steps=2, init_adapter=str(adapter)))
+    with pytest.raises(ValueError, match="one LoRA on the base model"):
+        make_release(out / "adapter", "x", tmp_path / "releases")
+    assert main(["embed", "--adapter", "no-such-release", "x"]) == 2  # "... or the name of a release"
+
+
+def test_train_command_names_only_what_differs():
+    command = train_command({"method": "contrastive", "steps": 100, "lr": 1e-4, "query_prompt": "Instruct: x\nQ: "})
+    assert command.startswith("unimae train") and "--method contrastive" in command
+    assert "--query-prompt $'Instruct: x\\nQ: '" in command
+    assert "--steps" not in command and "--lr" not in command
