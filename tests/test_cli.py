@@ -153,7 +153,7 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
     argv = ["evaluate", "embeddings", "--model", "m", "--adapter", "a", "--pooling", "mean"]
     argv += ["--attention", "bidirectional", "--tasks", "STSBenchmark", "SciFact", "--data-dir", "d"]
     argv += ["--output-dir", str(tmp_path), "--label", "lbl", "--batch-size", "8", "--max-length", "64"]
-    argv += ["--precision", "fp32", "--no-cache", "--rerun"]
+    argv += ["--precision", "fp32", "--no-cache", "--rerun", "--dimensions", "32"]
     assert main(argv) == 1
     assert calls == [
         (
@@ -169,6 +169,7 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
                 precision="fp32",
                 use_cache=False,
                 rerun=True,
+                dimensions=32,
             ),
         )
     ]

@@ -662,3 +662,38 @@ def test_default_labels_of_two_adapters_in_one_folder_differ():
     assert default_label("smollm2-135m", "runs/t1/unimae/adapter", "eos") == "smollm2-135m-unimae-eos"
     assert default_label("smollm2-135m", "adapters/a", "eos") != default_label("smollm2-135m", "adapters/b", "eos")
     assert default_label("org/model", None, "mean") == "org_model-base-mean"
+
+
+@needs_data
+def test_mteb_applies_the_adapters_prompts_by_its_own_rule_and_scores_prefixes(tiny_model_dirs, data_slice, tmp_path):
+    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.encoder import Encoder
+    from unimae.evaluation.embeddings import evaluate_embeddings
+
+    base = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), pooling="eos", precision="fp32", max_length=64)
+    spec = EmbeddingSpec(prompts={"query": "Q: ", "document": "D: "})
+    prompted = base.with_spec(spec)
+    seen = []
+    original = Encoder.encode
+
+    def spy(self, texts, *args, **kwargs):
+        seen.extend(texts)
+        return original(self, texts, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Encoder, "encode", spy)
+        evaluate_embeddings(
+            "tiny", ["SciFact", "STS17"], tmp_path, data_dir=data_slice, label="p", encoder=prompted, use_cache=False
+        )
+    queries = [json.loads(line)["text"] for line in open(data_slice / "retrieval/SciFact/queries.jsonl")]
+    sentence = json.loads(open(data_slice / "sts/STS17/test.jsonl").readline())["sentence1"]
+    assert all("Q: " + q in seen for q in queries)  # retrieval queries: the query prompt
+    assert sum(t.startswith("D: ") for t in seen) >= 30  # the corpus: the document prompt
+    assert sentence in seen and "Q: " + sentence not in seen  # STS: none
+    full = evaluate_embeddings("tiny", ["STS17"], tmp_path, data_dir=data_slice, label="full", encoder=base)
+    cut = evaluate_embeddings(
+        "tiny", ["STS17"], tmp_path, data_dir=data_slice, label="d16", encoder=base, dimensions=16
+    )
+    assert cut.cache_misses == 0 and cut.cache_hits > 0  # the full vectors, cached by the first run
+    assert cut.scores["STS17"] != full.scores["STS17"]
+    assert json.loads((tmp_path / "d16" / "run.json").read_text())["dimensions"] == 16

@@ -158,3 +158,78 @@ def test_index_and_ask_commands(tiny_model_dirs, tmp_path, capsys):
     os.utime(model / "config.json", ns=(0, 0))
     capsys.readouterr()
     assert main([*build, "--precision", "fp32"]) == 2 and "model_revision" in capsys.readouterr().err
+
+
+def _replace_index_faiss(directory, dim: int) -> None:
+    """Overwrite index.faiss with a flat index of random unit vectors (as many as the passages, ``dim`` wide)."""
+    import faiss
+
+    vectors = np.random.default_rng(0).standard_normal((len(PASSAGES), dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = faiss.IndexFlatIP(dim)
+    index.add(vectors)
+    faiss.write_index(index, str(directory / "index.faiss"))
+
+
+def test_an_index_faiss_replaced_by_other_vectors_is_refused(encoder, tmp_path):
+    """Before: random vectors of the right shape loaded silently (top scores 0.07 instead of 0.96)."""
+    built = VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", IndexConfig(shard_size=5))
+    _replace_index_faiss(tmp_path / "idx", built.dim)
+    with pytest.raises(VectorIndexError, match="index.faiss does not match the SHA-256 in manifest.json"):
+        VectorIndex.load(tmp_path / "idx")
+    recorded = json.loads((tmp_path / "idx" / "manifest.json").read_text())["sha256"]
+    assert sorted(recorded["shards"]) == ["00000000.npy", "00000005.npy", "00000010.npy"]
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", IndexConfig(shard_size=5))  # as the message says
+    assert len(VectorIndex.load(tmp_path / "idx")) == len(PASSAGES)
+
+
+def _as_before_hashes(directory) -> None:
+    """Drop the hashes from a manifest, as unimae wrote it before it recorded them."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest.pop("sha256", None)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_index_without_recorded_hashes_loads_with_a_warning(encoder, tmp_path, caplog):
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")
+    _as_before_hashes(tmp_path / "idx")
+    with caplog.at_level("WARNING", logger="unimae.index"):
+        assert len(VectorIndex.load(tmp_path / "idx")) == len(PASSAGES)
+    assert "index.faiss is not verified" in caplog.text
+
+
+def test_an_index_of_another_dimension_is_a_clear_error(encoder, tmp_path):
+    """Before: a bare AssertionError from FAISS at the first search (here without recorded hashes, which would
+    catch the swap first)."""
+    built = VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")
+    _as_before_hashes(tmp_path / "idx")
+    _replace_index_faiss(tmp_path / "idx", built.dim + 8)
+    with pytest.raises(VectorIndexError, match=rf"holds {built.dim + 8}-dimensional vectors.*says {built.dim}"):
+        VectorIndex.load(tmp_path / "idx")
+
+
+def test_a_shard_overwritten_in_place_is_embedded_again(encoder, tmp_path, monkeypatch):
+    """Before: a shard of the same size with other bytes (here NaN) was reused, and the index built with NaN rows."""
+    config = IndexConfig(shard_size=4)
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", config)
+    shard = tmp_path / "idx" / "shards" / "00000004.npy"
+    reference, size = np.load(shard), shard.stat().st_size
+    np.save(shard, np.full_like(reference, np.nan))
+    assert shard.stat().st_size == size
+    calls = []
+    original = encoder.encode
+    monkeypatch.setattr(encoder, "encode", lambda texts, **kw: calls.append(len(texts)) or original(texts, **kw))
+    rebuilt = VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", config)
+    assert calls == [4], "only the damaged shard is embedded again"
+    np.testing.assert_allclose(np.load(shard), reference, atol=1e-6)
+    hits = rebuilt.search(encoder.encode([PASSAGES[5][1]], normalize=True), k=1)
+    assert hits[0][0].id == PASSAGES[5][0]
+
+
+def test_a_passages_file_swapped_for_another_is_refused(encoder, tmp_path):
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")
+    path = tmp_path / "idx" / "passages.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join([lines[1], lines[0], *lines[2:]]))  # valid JSON, every text labelled wrong
+    with pytest.raises(VectorIndexError, match="passages.jsonl is not the file this index was built from"):
+        VectorIndex.load(tmp_path / "idx")

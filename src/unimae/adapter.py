@@ -3,7 +3,8 @@
 An adapter directory is a plain PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)
 plus ``unimae.json``: the base model's fingerprint, the :class:`EmbeddingSpec` it was trained for
 (key ``embedding``) and the resolved training config. Loading an adapter onto a different base model
-fails with a message saying which one it needs; a damaged adapter file fails with a message naming it.
+fails with a message saying which one it needs; a damaged adapter file (unreadable, or holding NaN or infinite
+weights) fails with a message naming it.
 :func:`load_with_adapter` is the one way to get "base model + adapter (+ merged)". An adapter that trains
 token rows the base lacks (GEM's new summary tokens, peft ``trainable_token_indices``) gets the base grown to
 them after the fingerprint check (which reads the unresized base), and its own tokenizer.
@@ -87,19 +88,45 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         from unimae.models import grow_vocabulary
 
         grow_vocabulary(model, max(rows) + 1)
+    weights = next(directory.glob("adapter_model.*"), directory / "adapter_model.safetensors")
     try:
         with quiet_peft():
-            return PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
+            wrapped = PeftModel.from_pretrained(model, directory, is_trainable=is_trainable)
     except RuntimeError as err:  # shape mismatch when the architecture differs
-        raise ValueError(f"adapter {directory} does not fit this base model: {err}") from err
+        raise ValueError(f"adapter {directory} does not fit this base model: {_mismatch_summary(err)}") from err
     except Exception as err:  # safetensors' SafetensorError (truncated/empty file) is not an OSError
         if "safetensor" not in type(err).__name__.lower() and not isinstance(err, (OSError, EOFError)):
             raise
-        weights = next(directory.glob("adapter_model.*"), directory / "adapter_model.safetensors")
         raise ValueError(
             f"adapter weights {weights} cannot be read ({err}); the file is damaged or incomplete: "
             "copy it again or retrain (`unimae train --resume` finishes an interrupted run)"
         ) from err
+    _check_finite_file(weights)
+    return wrapped
+
+
+def _mismatch_summary(err: RuntimeError) -> str:
+    """torch's load_state_dict error, one line per weight of another shape (hundreds), as one sentence."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip().startswith("size mismatch for")]
+    if not lines:
+        return str(err)
+    return (
+        f"{len(lines)} weights have other shapes here ({lines[0].removeprefix('size mismatch for ')}); "
+        "it was trained on another base model: pass that one as --model"
+    )
+
+
+def _check_finite_file(weights: Path) -> None:
+    """ValueError naming ``weights`` (a .safetensors adapter file) if a tensor in it holds NaN or infinite values."""
+    from safetensors import safe_open
+
+    from unimae.checkpoint import check_finite
+
+    if weights.suffix != ".safetensors":
+        return
+    with safe_open(weights, framework="pt") as handle:
+        tensors = ((name, handle.get_tensor(name)) for name in handle.keys())
+        check_finite(tensors, f"adapter weights {weights}", "the file is damaged: copy it again or retrain")
 
 
 def skip_input_upcast(model, skip: bool = True) -> None:

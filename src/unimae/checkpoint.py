@@ -3,8 +3,12 @@
 ``<output_dir>/checkpoints/step-NNNNNN/`` holds ``state.pt``: the trainable weights (LoRA and the
 MRC tiny decoder), optimizer and scheduler state, RNG states and the data position (global step;
 the data order and masks are functions of the seed and the example index). A checkpoint is
-written to a temporary folder and renamed into place, so a crash never leaves a half-written one;
-the newest loadable checkpoint wins, and a corrupt one is reported and skipped.
+written to a temporary folder and renamed into place, so a crash never leaves a half-written one (nor does a
+full disk: the temporary folder is deleted and the error names the checkpoint); the newest loadable checkpoint
+wins, and a corrupt one is reported and skipped. ``state.pt.sha256`` beside it holds the file's SHA-256, so a
+file damaged in place (same size, other bytes) is corrupt too; checkpoints written before it load unverified,
+with a warning. Weights that are NaN or infinite are never saved (training diverged) and make a checkpoint
+corrupt when loaded.
 
 ``state.pt`` holds only tensors, numbers, strings and containers of them (numpy's RNG key is stored as a
 tensor), so it is read with ``torch.load(weights_only=True)``: a checkpoint folder from someone else
@@ -18,15 +22,22 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from unimae.files import file_sha256, writing
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
+CHECKSUM_FILE = "state.pt.sha256"
+DIVERGED = (
+    "training diverged (the checkpoints written before are kept): train again with a lower --lr or --max-grad-norm"
+)
 
 
 class CheckpointError(ValueError):
@@ -60,15 +71,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str) -> None:
+    """ValueError "{what}: weight {name} holds NaN or infinite values; {fix}" for the first (name, tensor) pair
+    that does."""
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{what}: weight {name} holds NaN or infinite values; {fix}")
+
+
 def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write ``state`` for ``step`` atomically; keep the newest ``keep`` checkpoints."""
+    """Write ``state`` for ``step`` atomically, with its checksum; keep the newest ``keep`` checkpoints.
+
+    Refuses trainable weights that are not finite (the older checkpoints stay as they were)."""
+    check_finite(state.get("trainable", {}).items(), f"checkpoint of step {step} not written", DIVERGED)
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save({**state, "step": step}, tmp / STATE_FILE)
+    for stale in root.glob(".tmp-step-*"):  # left by a run killed while writing
+        shutil.rmtree(stale, ignore_errors=True)
+    with writing(final, partial=tmp):
+        tmp.mkdir()
+        torch.save({**state, "step": step}, tmp / STATE_FILE)
+        (tmp / CHECKSUM_FILE).write_text(file_sha256(tmp / STATE_FILE) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -85,10 +110,7 @@ def load_latest_checkpoint(output_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"no checkpoint in {root}; start a new run without --resume")
     for candidate in candidates:
         try:
-            state = torch.load(candidate / STATE_FILE, map_location="cpu", weights_only=True)
-            if "step" not in state or "trainable" not in state:
-                raise ValueError("missing fields")
-            return state
+            return _load_state(candidate)
         except Exception as err:  # noqa: BLE001 - any unreadable file means a corrupt checkpoint
             logger.warning(
                 "checkpoint %s is corrupt (%s); trying an older one. Delete it to silence this.", candidate, err
@@ -96,3 +118,20 @@ def load_latest_checkpoint(output_dir: str | Path) -> dict[str, Any]:
     raise CheckpointError(
         f"every checkpoint in {root} is corrupt; start the run over: `unimae train --overwrite` instead of --resume"
     )
+
+
+def _load_state(directory: Path) -> dict[str, Any]:
+    """The state of one checkpoint folder, after checking its checksum and that its weights are finite."""
+    path = directory / STATE_FILE
+    checksum = directory / CHECKSUM_FILE
+    if not checksum.is_file():
+        logger.warning(
+            "checkpoint %s has no %s (an older unimae wrote it); loading it unverified", directory, CHECKSUM_FILE
+        )
+    elif checksum.read_text().strip() != file_sha256(path):
+        raise ValueError(f"{path} does not match its checksum: it was changed or damaged after it was written")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if "step" not in state or "trainable" not in state:
+        raise ValueError("missing fields")
+    check_finite(state["trainable"].items(), str(path), "the checkpoint is damaged")
+    return state

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from unimae.adapter import ADAPTER_META, adapter_meta, adapter_revision, embedding_spec, load_with_adapter
 from unimae.embedding_spec import EmbeddingSpec
-from unimae.files import atomic_write_json
+from unimae.files import atomic_write_json, check_writable, writing
 
 FORMATS = ("hf", "sentence-transformers", "gguf", "gguf-lora")
 
@@ -142,6 +142,8 @@ def export(
     if fmt == "gguf-lora":
         from unimae.gguf_lora_export import export_gguf_lora
 
+        check_writable(Path(output).parent)  # before the base model is loaded, not after
+
         return export_gguf_lora(model, adapter, output, gguf_type)
     if fmt == "gguf":
         return _save_gguf(model, adapter, Path(output), spec, gguf_type)
@@ -151,12 +153,13 @@ def export(
     partial = out.with_name(f".{out.name}.partial")  # built here and renamed into place once complete, so a
     shutil.rmtree(partial, ignore_errors=True)  # failed export leaves nothing at `out` and can simply be rerun
     partial.mkdir(parents=True)
-    if fmt == "hf":
-        save_merged(model, adapter, partial)
-        atomic_write_json(partial / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
-    else:
-        _save_sentence_transformers(model, adapter, partial, spec, max_length)
-    (partial / "README.md").write_text(_model_card(model, adapter, fmt, spec))
+    with writing(out, partial=partial):  # a failure (a full disk) deletes the partial folder
+        if fmt == "hf":
+            save_merged(model, adapter, partial)
+            atomic_write_json(partial / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
+        else:
+            _save_sentence_transformers(model, adapter, partial, spec, max_length)
+        (partial / "README.md").write_text(_model_card(model, adapter, fmt, spec))
     if out.exists():
         out.rmdir()  # empty (checked above)
     partial.rename(out)
@@ -211,6 +214,7 @@ def _save_gguf(model: str, adapter: str | None, out: Path, spec: EmbeddingSpec, 
         raise ValueError(f"--output {out} must be a file name ending in .gguf for --format gguf")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new --output file")
+    check_writable(out.parent)  # before minutes of merging, not after
     merged, tokenizer = merged_model(model, adapter)
     extra = {"base_model": model, "adapter_revision": adapter_revision(adapter)}
     return write_gguf(merged, tokenizer, out, gguf_type, spec=spec, source=source_gguf(model), extra=extra)

@@ -1,27 +1,98 @@
-"""Small file helpers shared by every writer: atomic writes and the evaluation-data folder.
+"""Small file helpers shared by every writer: atomic writes, write failures, hashes and the evaluation-data folder.
 
 An atomic write goes to a hidden temporary file in the same folder and is renamed into place, so a
-reader (or a run killed half-way) sees either the old file or the new one, never a torn one.
+reader (or a run killed half-way) sees either the old file or the new one, never a torn one. A write that
+fails (a full disk) deletes what it had half written and says which file it could not write
+(:func:`writing`), whatever library raised it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp)`` to fill a temporary file, then rename it to ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with writing(path, partial=tmp):
         write(tmp)
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def writing(target: str | Path, partial: str | Path | None = None) -> Iterator[None]:
+    """Wrap the writing of ``target``: on any failure delete ``partial`` (the temporary file or folder being
+    filled), and turn a failed write (a full disk; a library's own write error, which names no errno) into an
+    OSError naming ``target``. Other errors pass through unchanged."""
+    try:
+        yield
+    except BaseException as err:
+        if partial is not None:
+            remove(partial)
+        if _is_write_error(err):
+            raise OSError(_write_message(target, err)) from err
+        raise
+
+
+def _is_write_error(err: BaseException) -> bool:
+    """An OSError of a failed write (full disk, quota, read-only), safetensors' SafetensorError or a RuntimeError
+    of torch's file writer ("[enforce fail at inline_container.cc] ... file write failed" or "unexpected pos") or
+    of FAISS ("write error in ... (No space left on device)")."""
+    if isinstance(err, OSError):
+        return err.errno in _WRITE_ERRNOS
+    text = str(err).lower()
+    library = isinstance(err, RuntimeError) or type(err).__name__ == "SafetensorError"
+    return library and any(sign in text for sign in ("writ", "space left", "inline_container"))
+
+
+def _write_message(target: str | Path, err: BaseException) -> str:
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "space left" in str(err).lower()
+    why = "the disk is full" if full else (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return f"could not write {target}: {why}; free some space (or choose another folder) and run the command again"
+
+
+def remove(path: str | Path) -> None:
+    """Delete a file or a folder tree if it exists."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def check_writable(folder: str | Path, flag: str = "--output") -> None:
+    """Write (then delete) a probe file in ``folder``, or in the nearest folder above it that exists (where it
+    would be created), so that a read-only or impossible destination fails before minutes of work, not after;
+    an OSError naming ``flag`` and the folder. Creates nothing."""
+    folder = Path(folder).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(existing))
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".unimae-probe-"):
+            pass
+    except OSError as err:
+        raise OSError(
+            f"cannot write to {folder} ({err.strerror or err}); choose another {flag} in a folder you can write"
+        ) from err
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -2,9 +2,10 @@
 
 Layout of an index folder::
 
-    manifest.json     model, adapter revision, pooling, dim, kind, passage fingerprint, complete flag
+    manifest.json     model, adapter revision, pooling, dim, kind, passage fingerprint, complete flag, sha256
     passages.jsonl    {"id", "text"} per passage, in index order
     shards/00000256.npy  (shard_size, D) float32 unit vectors, named by first passage, written one by one
+    shards/00000256.sha256  the SHA-256 of that shard's file, written right after it
     index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
 
 Passages are embedded as documents (the adapter's ``document`` prompt, if it has one; queries are embedded with
@@ -29,11 +30,19 @@ binary   ``IndexBinaryFlat``: sign bits (sentence-transformers'               D 
 Every file is written to a temporary name and renamed into place, so a killed ``unimae index`` leaves
 finished shards and no half-written file; running it again resumes at the first missing shard. An
 index whose manifest says ``complete: false`` refuses to load.
+
+Integrity: a resumed build reuses a shard only if its bytes still match the SHA-256 recorded when it was
+written (one damaged in place, same size, is embedded again; shards of builds older than these hashes are
+checked by shape only), and never writes NaN or infinite vectors. A finished manifest records the SHA-256 of
+every shard and of ``index.faiss`` (key ``sha256``); loading checks ``index.faiss`` against it, the passages
+against their fingerprint and the FAISS index's dimension against the manifest's. Manifests written before
+the hashes load with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -43,7 +52,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from unimae.embedding_spec import EmbeddingSpec
-from unimae.files import atomic_write, atomic_write_json, atomic_write_text, read_json
+from unimae.files import atomic_write, atomic_write_json, atomic_write_text, file_sha256, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +225,10 @@ class VectorIndex:
         faiss = _faiss()
         write = faiss.write_index_binary if config.kind == "binary" else faiss.write_index
         atomic_write(directory / "index.faiss", lambda tmp: write(index, str(tmp)))
+        manifest["sha256"] = {
+            "index.faiss": file_sha256(directory / "index.faiss"),
+            "shards": _shard_hashes(shards, range(0, len(passages), config.shard_size)),
+        }
         manifest["complete"] = True
         atomic_write_json(manifest_path, manifest)
         return cls(directory, manifest, passages, index)
@@ -235,6 +248,7 @@ class VectorIndex:
                 f"{directory} is incomplete (indexing was interrupted); rerun `unimae index` to resume"
             )
         passages = _read_passages(directory / "passages.jsonl")
+        _check_integrity(directory, manifest, passages)
         faiss = _faiss()
         try:
             read = faiss.read_index_binary if manifest.get("config", {}).get("kind") == "binary" else faiss.read_index
@@ -247,6 +261,7 @@ class VectorIndex:
             raise VectorIndexError(
                 f"{directory}: index holds {index.ntotal} vectors for {len(passages)} passages; rebuild it"
             )
+        _check_dimension(directory, manifest, index)
         if manifest.get("config", {}).get("kind") == "ivf":
             index.nprobe = manifest["config"].get("ivf_nprobe", 16)
         return cls(directory, manifest, passages, index)
@@ -280,6 +295,40 @@ class VectorIndex:
             [Hit(*self.passages[i], float(s)) for s, i in zip(row_s, row_i, strict=True) if i >= 0]
             for row_s, row_i in zip(scores, ids, strict=True)
         ]
+
+
+def _check_integrity(directory: Path, manifest: dict, passages: list[tuple[str, str]]) -> None:
+    """VectorIndexError unless ``index.faiss`` matches its recorded SHA-256 and the passages their fingerprint
+    (a manifest older than the hashes: a warning, ``index.faiss`` unchecked)."""
+    if manifest.get("passages") not in (None, passages_fingerprint(passages)):
+        raise VectorIndexError(
+            f"{directory / 'passages.jsonl'} is not the file this index was built from (its fingerprint differs from "
+            "manifest.json's); rebuild the index with `unimae index --overwrite`"
+        )
+    recorded = manifest.get("sha256", {}).get("index.faiss")
+    if recorded is None:
+        logger.warning(
+            "index %s was built before unimae recorded hashes: index.faiss is not verified. Rerun `unimae index` "
+            "with the same arguments to record them",
+            directory,
+        )
+    elif file_sha256(directory / "index.faiss") != recorded:
+        raise VectorIndexError(
+            f"{directory / 'index.faiss'} does not match the SHA-256 in manifest.json: it was changed or damaged "
+            "after the index was built; rerun `unimae index` with the same arguments to rebuild it from its shards"
+        )
+
+
+def _check_dimension(directory: Path, manifest: dict, index) -> None:
+    """VectorIndexError unless the FAISS index holds vectors of the manifest's dimension (sign bits: one per
+    dimension, padded to whole bytes)."""
+    dim = int(manifest["dim"])
+    expected = 8 * -(-dim // 8) if manifest.get("config", {}).get("kind") == "binary" else dim
+    if index.d != expected:
+        raise VectorIndexError(
+            f"{directory / 'index.faiss'} holds {index.d}-dimensional vectors, but manifest.json says {expected}; "
+            "rerun `unimae index` with the same arguments to rebuild it from its shards"
+        )
 
 
 def _read_manifest(path: Path) -> dict:
@@ -326,7 +375,7 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
                 "pass --overwrite to rebuild it or choose another --output-dir"
             )
     elif overwrite:
-        for stale in shards.glob("*.npy"):
+        for stale in [*shards.glob("*.npy"), *shards.glob("*.sha256")]:
             stale.unlink()
 
 
@@ -343,19 +392,48 @@ def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config
         vectors = encoder.encode_document(
             texts, batch_size=config.batch_size, normalize=True, show_progress=False, dimensions=config.dimensions
         )
-
-        def write(tmp: Path, vectors=vectors):
-            with open(tmp, "wb") as handle:
-                np.save(handle, vectors.astype(np.float32))
-
-        atomic_write(_shard_path(shards, start), write)
+        write_shard(shards, start, vectors)
     return np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
 
 
+def _hash_path(shards: Path, start: int) -> Path:
+    return shards / f"{start:08d}.sha256"
+
+
+def write_shard(shards: Path, start: int, vectors: np.ndarray) -> None:
+    """Write the (n, D) ``vectors`` of the shard starting at ``start`` atomically, then its SHA-256 beside it;
+    VectorIndexError for a NaN or infinite vector (the model's weights are damaged)."""
+    if not np.isfinite(vectors).all():
+        raise VectorIndexError(
+            f"the model gave NaN or infinite embeddings for passages {start} to {start + len(vectors) - 1}: its "
+            "weights (or the adapter's) are damaged; load them again, or retrain"
+        )
+    buffer = io.BytesIO()
+    np.save(buffer, vectors.astype(np.float32))
+    data = buffer.getvalue()
+    atomic_write(_shard_path(shards, start), lambda tmp: tmp.write_bytes(data))
+    atomic_write_text(_hash_path(shards, start), hashlib.sha256(data).hexdigest() + "\n")
+
+
+def _shard_hashes(shards: Path, starts: range) -> dict[str, str]:
+    """{shard file name: SHA-256} of every shard, as recorded beside it (computed for a shard of an older build)."""
+    hashes = {}
+    for start in starts:
+        recorded = _hash_path(shards, start)
+        digest = recorded.read_text().strip() if recorded.is_file() else file_sha256(_shard_path(shards, start))
+        hashes[_shard_path(shards, start).name] = digest
+    return hashes
+
+
 def _shard_ok(shards: Path, start: int, size: int, total: int, dim: int) -> bool:
-    """True if the shard starting at ``start`` exists with the expected shape (a damaged one is redone)."""
+    """True if the shard starting at ``start`` exists with the expected shape and the bytes its recorded SHA-256
+    says (a damaged one is redone; one without a record, from an older build, is checked by shape alone)."""
     path = _shard_path(shards, start)
     if not path.is_file():
+        return False
+    recorded = _hash_path(shards, start)
+    if recorded.is_file() and recorded.read_text().strip() != file_sha256(path):
+        logger.warning("shard %s does not match its recorded SHA-256 (changed or damaged); embedding it again", path)
         return False
     try:
         shape = np.load(path, mmap_mode="r").shape

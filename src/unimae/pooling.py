@@ -1,7 +1,8 @@
 """Sentence poolings, each a registered rule: how to build the input and which positions to average.
 
 Every pooling is a weighted mean of last-layer states under a per-token *pool mask* that is padded
-exactly like the input, so it is correct for left and right padding alike:
+exactly like the input, so it is correct for left and right padding alike (each tokenizes through
+:func:`~unimae.tokenization.tokenize_bounded`, so a long text costs what ``max_length`` tokens cost):
 - ``eos``: EOS appended after truncation; the mask selects that last token (``h_eos``, UniMAE Eq. 2).
 - ``mean``: all tokens of the text as the tokenizer makes them (paper row MEAN).
 - ``echo``: the text twice; the mask selects the second copy (Springer et al. 2024). Plain
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from unimae.attention import model_attention_mask
-from unimae.tokenization import encode_with_eos, position_ids_from_mask
+from unimae.tokenization import encode_with_eos, position_ids_from_mask, tokenize_bounded
 
 ECHO_PROMPT = ("Rewrite the sentence: ", ", rewritten sentence: ")
 
@@ -59,7 +60,7 @@ def _eos(tokenizer, texts, max_length, **_) -> list[PooledInput]:
 
 @register_pooling("mean")
 def _mean(tokenizer, texts, max_length, **_) -> list[PooledInput]:
-    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+    encoded = tokenize_bounded(_truncating(tokenizer, max_length), tokenizer, texts, max_length)
     out = []
     for ids in encoded:
         ids = ids or [tokenizer.eos_token_id]  # an empty text still gets one state to average
@@ -76,9 +77,12 @@ def _echo(tokenizer, texts, max_length, echo_template: bool = False, **_) -> lis
     before_ids = tokenizer(before, add_special_tokens=False)["input_ids"] if before else []
     between_ids = tokenizer(between, add_special_tokens=False)["input_ids"] if between else []
     budget = max(1, (max_length - len(prefix) - len(before_ids) - len(between_ids)) // 2)
+    plain_ids = tokenize_bounded(
+        lambda batch: tokenizer(batch, add_special_tokens=False)["input_ids"], tokenizer, texts, budget + 1
+    )
     out = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:budget] or [tokenizer.eos_token_id]
+    for ids in plain_ids:
+        ids = ids[:budget] or [tokenizer.eos_token_id]
         first = prefix + before_ids + ids + between_ids
         out.append(PooledInput(first + ids, [0] * len(first) + [1] * len(ids)))
     return out
@@ -89,9 +93,15 @@ def _summary(tokenizer, texts, max_length, summary_ids: Sequence[int] = (), **_)
     if not summary_ids:
         raise ValueError("summary pooling needs summary_ids (the GEM summary tokens of the adapter)")
     budget = max(1, max_length - len(summary_ids))
-    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=True, max_length=budget)["input_ids"]
+    encoded = tokenize_bounded(_truncating(tokenizer, budget), tokenizer, texts, budget)
     summary = list(summary_ids)
     return [PooledInput(ids + summary, [0] * len(ids) + [1] * len(summary)) for ids in encoded]
+
+
+def _truncating(tokenizer, max_length: int) -> Callable[[list[str]], list[list[int]]]:
+    """Texts -> ids with special tokens, truncated by the tokenizer to ``max_length`` (its post-processor's
+    special tokens kept)."""
+    return lambda batch: tokenizer(batch, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
 
 
 def pooled_forward(

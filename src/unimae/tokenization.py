@@ -2,17 +2,35 @@
 
 The EOS token is always present (METHOD.md section 1), whatever the tokenizer's own
 ``add_eos_token`` habit, so that ``h_eos`` has a fixed place to live.
+
+Cost bounded by ``max_length``, not by the text: a text is cut to :func:`char_budget` characters before it is
+tokenized (:func:`tokenize_bounded`), so a 50 MB line costs what ``max_length`` tokens cost. Why the cut never
+changes the tokens kept: every token covers at most ``L`` characters of the text, ``L`` the length of the
+longest string in the vocabulary (a byte-level string has one character per byte, and a character is at least
+one byte; a SentencePiece string one per character; a byte-fallback ``<0xNN>`` is longer than its byte). So a
+text of ``n`` tokens or fewer has at most ``n L`` characters and is never cut, and the first ``n`` tokens of a
+longer one end within ``n L`` characters. The cut, ``L + 64`` characters beyond them, can only change the
+tokens of the word it falls in (and of the spaces before it): pre-tokenizers split words independently, and
+within a word longer than that margin only BPE merges reaching across it could carry the change back (none
+seen: tests/test_hostile_input.py compares cut and whole tokenizations of long space runs, one-word texts and
+mixed scripts). A normalizer that merges or drops characters (NFC composing three into one) could break the
+first step; a cut text that comes out with fewer tokens than needed is therefore tokenized again with twice
+the characters, until it has them or is whole.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+_MARGIN_CHARS = 64  # beyond the budget's tokens: the word the cut falls in, whose tokens the cut may change
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (vocabulary size, longest)
 
 
 class TextTooLongWarning(UserWarning):
@@ -30,7 +48,11 @@ def encode_with_eos(tokenizer, texts: Sequence[str], max_length: int, warn: bool
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"text {i} is a {type(text).__name__}, not a str")
-    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]
+
+    def encode(batch: list[str]) -> list[list[int]]:
+        return tokenizer(batch, add_special_tokens=True, truncation=False)["input_ids"]
+
+    encoded = tokenize_bounded(encode, tokenizer, texts, max_length + 2)  # kept, the tokenizer's own EOS, one more
     eos = tokenizer.eos_token_id
     out, truncated = [], 0
     for ids in encoded:
@@ -47,6 +69,44 @@ def encode_with_eos(tokenizer, texts: Sequence[str], max_length: int, warn: bool
             stacklevel=2,
         )
     return out
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters in the longest string of ``tokenizer``'s vocabulary, added tokens included; computed once per
+    tokenizer (again if tokens are added to it)."""
+    size = len(tokenizer)
+    cached = _LONGEST.get(tokenizer)
+    if cached is None or cached[0] != size:
+        cached = (size, max(map(len, tokenizer.get_vocab()), default=1))
+        _LONGEST[tokenizer] = cached
+    return cached[1]
+
+
+def char_budget(tokenizer, tokens: int) -> int:
+    """Characters of any text that hold its first ``tokens`` tokens and a word more (module docstring)."""
+    return (tokens + 1) * longest_token_chars(tokenizer) + _MARGIN_CHARS
+
+
+def tokenize_bounded(
+    encode: Callable[[list[str]], list[list[int]]], tokenizer, texts: Sequence[str], tokens: int
+) -> list[list[int]]:
+    """``encode(texts)`` (token ids per text, truncated or not) with each text cut to ``char_budget(tokens)``
+    characters first: the whole texts' ids, in every id the caller keeps.
+
+    ``tokens``: how many ids a cut text must give for the cut not to matter (what the caller keeps, special
+    tokens included, and one more where ``encode`` does not truncate). A cut text that gives fewer is encoded
+    again with twice the characters (module docstring).
+    """
+    if not texts:
+        return []
+    limit = char_budget(tokenizer, tokens)
+    encoded = encode([text[:limit] for text in texts])
+    for i, text in enumerate(texts):
+        cut = limit
+        while len(encoded[i]) < tokens and cut < len(text):
+            cut *= 2
+            encoded[i] = encode([text[:cut]])[0]
+    return encoded
 
 
 def pad_batch(

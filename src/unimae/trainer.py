@@ -37,10 +37,18 @@ from unimae.adapter import (
     write_adapter_meta,
 )
 from unimae.attention import set_attention_dropout
-from unimae.checkpoint import checkpoint_dir, load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from unimae.checkpoint import (
+    DIVERGED,
+    check_finite,
+    checkpoint_dir,
+    load_latest_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from unimae.config import TrainConfig
 from unimae.export import save_merged
-from unimae.files import atomic_write_json, atomic_write_text
+from unimae.files import atomic_write_json, atomic_write_text, writing
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.precision import autocast, resolve_precision, weight_dtype
@@ -435,9 +443,12 @@ def _save_adapter(run: _Run, step: int) -> Path:
     if not run.main:
         return adapter_dir
     llm = run.accelerator.unwrap_model(run.objective).llm
+    trained = ((name, p) for name, p in llm.named_parameters() if p.requires_grad)
+    check_finite(trained, f"adapter of step {step} not written", DIVERGED)
     # Trained token rows (GEM's summary tokens, --train-mask-token) are saved as peft trainable-token deltas;
     # the whole embedding matrices are not (every load grows the base the same way: unimae.adapter).
-    llm.save_pretrained(adapter_dir, **({} if config.full_params else {"save_embedding_layers": False}))
+    with writing(adapter_dir):  # a full disk: an error naming the adapter, not the library's
+        llm.save_pretrained(adapter_dir, **({} if config.full_params else {"save_embedding_layers": False}))
     run.tokenizer.save_pretrained(adapter_dir)
     if config.init_adapter and not config.full_params:
         shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)

@@ -1,4 +1,8 @@
-"""``unimae embed`` and ``unimae generate``: the two jobs of one model."""
+"""``unimae embed`` and ``unimae generate``: the two jobs of one model.
+
+Text from the command line or standard input must be UTF-8: anything else is one sentence naming the argument
+or line and the byte, not a tokenizer traceback.
+"""
 
 from __future__ import annotations
 
@@ -52,14 +56,46 @@ def read_texts(texts: list[str], source: str | None, field: str = "text") -> lis
     """The texts to embed: ``texts`` if any, else the file ``source`` (read by the corpus readers, whose
     errors name the file and line), else standard input, one text per line."""
     if texts:
-        return texts
+        return [utf8_argument(text, f"text argument {i}") for i, text in enumerate(texts, 1)]
     if source and source != "-":
         from unimae.corpus import load_texts
 
         if not Path(source).is_file():
             raise FileNotFoundError(f"input file {source} does not exist")
         return load_texts(source, field)
-    return [line.rstrip("\n") for line in sys.stdin]
+    return stdin_lines()
+
+
+def stdin_lines() -> list[str]:
+    """Standard input, one text per line (``\\n``, ``\\r\\n`` or ``\\r``, as text mode splits it), decoded as UTF-8;
+    a line that is not UTF-8 is a ValueError naming it and its first bad byte."""
+    stream = getattr(sys.stdin, "buffer", None)  # a test's StringIO has none
+    raw = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    lines = []
+    for number, line in enumerate(raw.splitlines(), 1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"line {number} of standard input is not UTF-8 text (byte 0x{line[err.start]:02x} at byte "
+                f"{err.start}); convert it first, e.g. `iconv -f latin1 -t utf-8`"
+            ) from None
+    return lines
+
+
+def utf8_argument(text: str, where: str) -> str:
+    """``text``, a command-line argument, if it is valid UTF-8; else a ValueError naming ``where`` and the byte
+    (Python hands bytes it cannot decode over as lone surrogates U+DC80..U+DCFF, which tokenizers refuse)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        bad = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(
+            f"{where} is not UTF-8 text ({bad} at character {err.start}); pass UTF-8 text "
+            "(convert with `iconv -t utf-8`, or set a UTF-8 locale)"
+        ) from None
+    return text
 
 
 def _embed(args: argparse.Namespace) -> int:
@@ -68,6 +104,7 @@ def _embed(args: argparse.Namespace) -> int:
     from unimae.encoder import Encoder
 
     texts = read_texts(args.texts, args.input, args.field)
+    prompt = utf8_argument(args.prompt, "--prompt") if args.prompt else args.prompt
     encoder = Encoder.from_pretrained(
         args.model, adapter=args.adapter, pooling=args.pooling, max_length=args.max_length, precision=args.precision
     )
@@ -76,7 +113,7 @@ def _embed(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         normalize=args.normalize,
         prompt_name=args.prompt_name,
-        prompt=args.prompt,
+        prompt=prompt,
         dimensions=args.dimensions,
         precision=args.quantize or "float32",
     )
@@ -92,7 +129,8 @@ def _embed(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from unimae.encoder import Encoder
 
+    prompt = utf8_argument(args.prompt, "the prompt")
     adapter = None if args.no_adapter else args.adapter
     encoder = Encoder.from_pretrained(args.model, adapter=adapter, precision=args.precision)
-    print(encoder.generate(args.prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
+    print(encoder.generate(prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
     return 0

@@ -57,6 +57,12 @@ def _add_embeddings_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--label", help="Row name in the summary (default: model-adapter-pooling).")
     parser.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass (longest first).")
     parser.add_argument("--max-length", type=int, default=512, help="Tokens per text; longer texts are truncated.")
+    parser.add_argument(
+        "--dimensions",
+        type=int,
+        help="Score the first k coordinates of each embedding (Matryoshka); the embedding cache is shared with "
+        "the full-size run.",
+    )
     parser.add_argument("--no-cache", action="store_true", help="Do not read or write the embedding cache.")
     parser.add_argument(
         "--rerun", action="store_true", help="Evaluate tasks again even if this model's result JSON exists."
@@ -175,6 +181,7 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
             precision=args.precision,
             use_cache=not args.no_cache,
             rerun=args.rerun,
+            dimensions=args.dimensions,
         )
     # This run's row only; the folder's table (summary.md) is written by `unimae evaluate summary`.
     print(summary_markdown(out, [run.label], expand_tasks(args.tasks)))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
 from unimae.config import add_dataclass_arguments
-from unimae.serving.config import ServerConfig
+from unimae.serving.config import ServerConfig, check_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
-    values["api_key"] = resolve_api_key(args.api_key, args.api_key_file)
+    values["api_key"] = check_api_key(resolve_api_key(args.api_key, args.api_key_file))  # before the model loads
     if args.engine == "llama.cpp":
         app, config = _llamacpp_app(args, values)
     else:

@@ -339,6 +339,7 @@ def evaluate_embeddings(
     encoder=None,
     rerun: bool = False,
     attention: str | None = None,
+    dimensions: int | None = None,
 ) -> EmbeddingRun:
     """Evaluate unimae's Encoder (``model`` + ``adapter``, ``pooling``) on mteb ``tasks``.
 
@@ -347,6 +348,8 @@ def evaluate_embeddings(
 
     Embeddings are cached under ``output_dir/embedding_cache.sqlite`` keyed by model, adapter
     weights, pooling, max length, precision and text; ``encoder`` reuses an already loaded one.
+    ``dimensions``: score the first k coordinates (Matryoshka; cosine similarity, so no re-normalisation is
+    needed); the cache holds the full vectors, so every size after the first costs only the scoring.
     """
     from unimae.encoder import Encoder
     from unimae.evaluation.mteb_model import MTEBEncoder
@@ -364,7 +367,9 @@ def evaluate_embeddings(
     weights = model_revision(model)  # a local model folder: retrained weights are another model
     label = label or default_label(model, adapter, pooling)
     cache = _open_cache(Path(output_dir), encoder, model, weights, revision) if use_cache else None
-    wrapped = MTEBEncoder(encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size)
+    wrapped = MTEBEncoder(
+        encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size, dimensions=dimensions
+    )
     meta = {
         "model": model,
         **({"model_revision": weights} if weights else {}),
@@ -374,6 +379,7 @@ def evaluate_embeddings(
         "revision": revision,
         "max_length": encoder.max_length,
         "precision": encoder.precision,
+        **({"dimensions": dimensions} if dimensions else {}),
     }
     try:
         run = evaluate_model_on_tasks(wrapped, tasks, Path(output_dir), label, meta, data_dir, batch_size, rerun)

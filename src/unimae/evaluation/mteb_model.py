@@ -25,9 +25,17 @@ class MTEBEncoder(AbsEncoder):
     """Wrap ``Encoder`` for ``mteb.evaluate``; cosine similarity; float32 output."""
 
     def __init__(
-        self, encoder: Encoder, name: str, revision: str, cache: EmbeddingCache | None = None, batch_size: int = 32
+        self,
+        encoder: Encoder,
+        name: str,
+        revision: str,
+        cache: EmbeddingCache | None = None,
+        batch_size: int = 32,
+        dimensions: int | None = None,
     ):
-        self.encoder = encoder
+        if dimensions is not None and not 1 <= dimensions <= encoder.embedding_dim:
+            raise ValueError(f"dimensions must be from 1 to {encoder.embedding_dim}, got {dimensions}")
+        self.encoder, self.dimensions = encoder, dimensions
         self.cache = cache
         self.batch_size = batch_size
         self.model_prompts = self.validate_task_to_prompt_name(encoder.spec.prompt_map) or {}
@@ -40,7 +48,7 @@ class MTEBEncoder(AbsEncoder):
             n_parameters=sum(p.numel() for p in encoder.model.parameters()),
             memory_usage_mb=None,
             max_tokens=encoder.max_length,
-            embed_dim=encoder.embedding_dim,
+            embed_dim=dimensions or encoder.embedding_dim,
             license=None,
             open_weights=True,
             public_training_code=None,
@@ -58,6 +66,5 @@ class MTEBEncoder(AbsEncoder):
         texts = [text for batch in inputs for text in batch["text"]]
         name = self.get_prompt_name(task_metadata, prompt_type) if self.model_prompts else None
         texts = with_prompt(texts, self.model_prompts[name] if name else "")  # cached under prompt + text
-        if self.cache is None:
-            return self._embed(texts)
-        return self.cache.get_or_compute(texts, self._embed)
+        vectors = self._embed(texts) if self.cache is None else self.cache.get_or_compute(texts, self._embed)
+        return vectors[:, : self.dimensions] if self.dimensions else vectors  # (N, k): cosine needs no re-norm

@@ -66,3 +66,16 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.on_too_long not in ("truncate", "error"):
             raise ValueError(f"on_too_long must be 'truncate' or 'error', got {self.on_too_long!r}")
+        check_api_key(self.api_key)
+
+
+def check_api_key(key: str | None) -> str | None:
+    """``key`` if a client can send it: printable ASCII without surrounding spaces. HTTP carries header bytes
+    that servers read as latin-1 and clients encode variously, so a key with 'é' would lock everyone out."""
+    if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+        raise ValueError(
+            "the API key must be printable ASCII without leading or trailing spaces (HTTP headers cannot carry "
+            "other characters reliably, so no client could send it); choose another key, e.g. "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
+    return key

@@ -4,13 +4,16 @@ OpenAI-style error body.
 Only what unimae serves is accepted; unknown fields are ignored as OpenAI clients send extras
 (``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes. A string
 that UTF-8 cannot encode (JSON allows a lone UTF-16 surrogate such as ``"\\ud800"``; the tokenizer and the
-response encoder do not) is a 400 naming its field, wherever it is in the body.
+response encoder do not) is a 400 naming its field, wherever it is in the body. An embedding the model gave as
+NaN or infinite is never sent (as a 500 from the JSON encoder, or as NaN bytes in base64): it is a 422 naming
+the input and the cause.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 from collections.abc import Iterator
 from typing import Literal, TypeVar
@@ -21,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -237,7 +241,8 @@ def check_dimensions(dimensions: int | None, full: int, trained: tuple[int, ...]
 
 def embeddings_body(model: str, vectors: np.ndarray, encoding_format: str, tokens: int) -> dict:
     """The OpenAI embeddings response for (N, D) ``vectors``: float lists, or base64 of little-endian float32;
-    ``usage`` counts the ``tokens`` embedded."""
+    ``usage`` counts the ``tokens`` embedded. 422 if a vector holds NaN or infinite values."""
+    check_finite_vectors(vectors)
     if encoding_format == "base64":
         encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
     else:
@@ -248,6 +253,22 @@ def embeddings_body(model: str, vectors: np.ndarray, encoding_format: str, token
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def check_finite_vectors(vectors: np.ndarray) -> None:
+    """422 naming the first input whose embedding holds NaN or infinite values (logged for the operator: every
+    input giving one means damaged weights)."""
+    bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1)) if vectors.size else []
+    if len(bad):
+        logger.error("the model gave non-finite embeddings for %d of %d inputs", len(bad), len(vectors))
+        raise APIError(
+            422,
+            f"the model gave a NaN or infinite embedding for input[{bad[0]}] ({len(bad)} of {len(vectors)} inputs): "
+            "its weights are damaged or overflow on this text; nothing was sent. If every input fails, the server's "
+            "model or adapter needs to be loaded again",
+            "input",
+            "non_finite_embedding",
+        )
 
 
 def models_body(model: str) -> dict:

@@ -1,0 +1,145 @@
+"""Retrieval quality and memory per index kind and Matryoshka size: SciFact nDCG@10 and RAG retrieval acc@1.
+
+For one model + adapter, each ``--kinds`` x ``--dimensions`` setup builds a unimae ``VectorIndex`` (the path
+``unimae index`` takes: documents with the adapter's document prompt, queries with its query prompt, the first
+k coordinates re-normalised) over
+
+- SciFact (the local data folder's ``retrieval/SciFact``: 5,183 abstracts, 300 queries), scored by nDCG@10 with
+  ``pytrec_eval`` (what mteb's retrieval evaluator uses) on the top 100 of each query;
+- the held-out enwiki-gensim paragraphs, with the RAG benchmark's questions (``benchmarks/load_test.py``: the
+  first 12 words of a seeded sample of the paragraphs), scored by retrieval acc@1 (the top hit is the
+  question's own paragraph).
+
+The passages are embedded once per size (float32 unit rows, shared by every kind); memory is FAISS's bytes per
+vector (the serialized index over the vector count, x 1M for the table). Writes ``--output`` (one entry per
+setup, other entries kept) with the CPU model.
+
+    python benchmarks/index_kinds.py --model gemma3-270m --adapter unimae-gemma3-270m-retriever \\
+        --data-dir ../shared/data --kinds flat sq8 binary --dimensions 0 256 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from unimae.files import update_json
+from unimae.runtime import cpu_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scifact(data_dir: Path) -> tuple[list[tuple[str, str]], dict[str, str], dict[str, dict[str, int]]]:
+    """(corpus passages (id, title + text), queries {id: text}, qrels {query: {doc: relevance}})."""
+    folder = data_dir / "retrieval" / "SciFact"
+    corpus = []
+    for line in open(folder / "corpus.jsonl", encoding="utf-8"):
+        row = json.loads(line)
+        corpus.append((row["_id"], f"{row.get('title', '')} {row['text']}".strip()))
+    queries = {row["_id"]: row["text"] for row in map(json.loads, open(folder / "queries.jsonl", encoding="utf-8"))}
+    qrels: dict[str, dict[str, int]] = {}
+    for line in open(folder / "qrels" / "test.tsv", encoding="utf-8").read().splitlines()[1:]:
+        query, doc, score = line.split("\t")
+        qrels.setdefault(query, {})[doc] = int(score)
+    return corpus, {q: queries[q] for q in qrels if q in queries}, qrels
+
+
+def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[int]]:
+    """(held-out passages, questions, the index of each question's own passage), as the RAG benchmark draws them."""
+    from unimae.corpus import load_passages
+
+    passages = load_passages("enwiki-gensim:heldout")
+    chosen = random.Random(0).sample(range(len(passages)), count)
+    return passages, [" ".join(passages[i][1].split()[:12]) for i in chosen], chosen
+
+
+def build(encoder, passages, kind: str, dims: int | None, folder: Path):
+    from unimae.index import IndexConfig, VectorIndex
+
+    return VectorIndex.build(encoder, passages, folder, IndexConfig(kind=kind, dimensions=dims or None))
+
+
+def ndcg10(index, encoder, queries: dict[str, str], qrels, dims: int | None) -> float:
+    import pytrec_eval
+
+    ids = list(queries)
+    vectors = encoder.encode_query([queries[q] for q in ids], normalize=True, dimensions=dims or None)
+    run = {q: {h.id: h.score for h in hits} for q, hits in zip(ids, index.search(vectors, k=100), strict=True)}
+    scores = pytrec_eval.RelevanceEvaluator(qrels, {"ndcg_cut.10"}).evaluate(run)
+    return float(np.mean([scores[q]["ndcg_cut_10"] for q in ids]))
+
+
+def acc1(index, encoder, passages, questions, chosen, dims: int | None) -> float:
+    vectors = encoder.encode_query(questions, normalize=True, dimensions=dims or None)
+    hits = index.search(vectors, k=1)
+    return float(np.mean([h[0].id == passages[i][0] for h, i in zip(hits, chosen, strict=True)]))
+
+
+def bytes_per_vector(folder: Path, count: int) -> float:
+    return (folder / "index.faiss").stat().st_size / count
+
+
+def main() -> None:
+    from unimae.encoder import Encoder
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--adapter")
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--kinds", nargs="+", default=["flat", "sq8", "binary"])
+    parser.add_argument("--dimensions", nargs="+", type=int, default=[0], help="0: the full size.")
+    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--label", default="adapter")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, max_length=512)
+    corpus, queries, qrels = scifact(args.data_dir)
+    passages, questions, chosen = rag_questions(args.questions)
+    output = args.output or ROOT / "results" / f"retrieval-{args.model.split('-')[0]}" / "index-kinds.json"
+    for dims in args.dimensions:
+        with tempfile.TemporaryDirectory() as tmp:
+            # embed once per size (the flat build); the other kinds reuse its shards by copying them
+            for kind in args.kinds:
+                start = time.perf_counter()
+                sci_dir, rag_dir = Path(tmp) / f"sci-{kind}", Path(tmp) / f"rag-{kind}"
+                _seed_shards(Path(tmp) / f"sci-{args.kinds[0]}", sci_dir)
+                _seed_shards(Path(tmp) / f"rag-{args.kinds[0]}", rag_dir)
+                sci = build(encoder, corpus, kind, dims, sci_dir)
+                rag = build(encoder, passages, kind, dims, rag_dir)
+                entry = {
+                    "model": args.model,
+                    "adapter": args.adapter,
+                    "kind": kind,
+                    "dimensions": dims or encoder.embedding_dim,
+                    "scifact_ndcg10": round(ndcg10(sci, encoder, queries, qrels, dims) * 100, 2),
+                    "rag_acc1": acc1(rag, encoder, passages, questions, chosen, dims),
+                    "bytes_per_vector": round(bytes_per_vector(sci_dir, len(corpus)), 1),
+                    "mb_per_million": round(bytes_per_vector(sci_dir, len(corpus)) * 1e6 / 2**20, 1),
+                    "seconds": round(time.perf_counter() - start, 1),
+                    "cpu_model": cpu_model(),
+                }
+                print(json.dumps(entry))
+                update_json(output, {f"{args.label}/{kind}/{entry['dimensions']}": entry})
+
+
+def _seed_shards(source: Path, target: Path) -> None:
+    """Copy the float shards and manifest of an earlier build at the same size, so the next kind resumes them
+    instead of embedding again (a manifest of another kind resumes: the shards do not depend on the kind)."""
+    import shutil
+
+    if source == target or not (source / "shards").is_dir():
+        return
+    shutil.copytree(source / "shards", target / "shards")
+    manifest = json.loads((source / "manifest.json").read_text())
+    manifest["complete"] = False
+    (target / "manifest.json").write_text(json.dumps(manifest))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Hostile but fair input, round two (issue 44): a text of any size costs what ``max_length`` costs; bytes that
+are not UTF-8, damaged files, folders that cannot be written, a full disk and API keys no client can send are
+each one sentence (exit code 2), never a traceback; a NaN embedding is never a 500 or NaN bytes on the wire."""
+
+import asyncio
+import errno
+import io
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SENTENCES, build_tokenizer
+
+import unimae.pooling
+import unimae.tokenization
+from unimae.cli import main
+from unimae.cli.embed import read_texts
+from unimae.encoder import Encoder
+from unimae.models import resolve_model_path
+from unimae.pooling import build_inputs
+from unimae.serving.config import ServerConfig
+from unimae.tokenization import TextTooLongWarning, char_budget
+
+MAX_LENGTH = 16
+POOLINGS = ["eos", "mean", "echo", "summary"]
+HOSTILE = [  # long texts of every shape a tokenizer splits differently: prose, one run of spaces, one word ...
+    " ".join(SENTENCES) * 300,
+    " " * 100_000 + "x",
+    "a" * 100_000,
+    "é漢🙂 \n\t.," * 20_000,
+    "\n".join("    " + word for word in " ".join(SENTENCES).split()) * 50,
+]
+
+
+def _tokenizer(arch: str):
+    return build_tokenizer(add_bos=arch != "qwen2", with_mask=arch != "qwen2")
+
+
+def _options(tokenizer, pooling: str) -> dict:
+    return {"summary_ids": [tokenizer.convert_tokens_to_ids("<extra_2>")]} if pooling == "summary" else {}
+
+
+def _build(pooling: str, tokenizer, texts: list[str], options: dict):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TextTooLongWarning)
+        return build_inputs(pooling, tokenizer, texts, MAX_LENGTH, **options)
+
+
+class _Recording:
+    """A tokenizer that remembers the longest text it was called with."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text, **kwargs):
+        self.longest = max([self.longest, *map(len, [text] if isinstance(text, str) else text)])
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_the_tokenizer_never_sees_more_of_a_text_than_max_length_needs(arch, pooling):
+    """Before: every text was tokenized whole and cut afterwards (a 50 MB line peaked at 7.7 GB)."""
+    tokenizer = _tokenizer(arch)
+    recording = _Recording(tokenizer)
+    inputs = _build(pooling, recording, [*HOSTILE, "short"], _options(tokenizer, pooling))
+    assert recording.longest <= char_budget(tokenizer, MAX_LENGTH + 2) < 1000
+    assert len(inputs) == len(HOSTILE) + 1 and all(len(item.ids) <= MAX_LENGTH + 1 for item in inputs)
+
+
+def _whole(encode, tokenizer, texts, tokens):
+    return encode(list(texts))
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_ids_are_those_of_the_whole_text_near_the_limit(arch, pooling, monkeypatch):
+    """Texts around the cut and around max_length tokens get exactly the ids (and pool masks) of the code that
+    tokenized them whole."""
+    tokenizer = _tokenizer(arch)
+    options = _options(tokenizer, pooling)
+    cut = char_budget(tokenizer, MAX_LENGTH + 2)
+    words = " ".join(SENTENCES).split()
+    texts = [source[:n] for source in HOSTILE for n in range(cut - 60, cut + 61, 3)]
+    texts += [" ".join(words[:k]) for k in range(1, 40)] + HOSTILE  # fits, fits exactly, one token over ...
+    bounded = _build(pooling, tokenizer, texts, options)
+    monkeypatch.setattr(unimae.pooling, "tokenize_bounded", _whole)
+    monkeypatch.setattr(unimae.tokenization, "tokenize_bounded", _whole)
+    whole = _build(pooling, tokenizer, texts, options)
+    assert [(b.ids, b.pool) for b in bounded] == [(w.ids, w.pool) for w in whole]
+
+
+def test_eos_ids_match_the_uncut_tokenization_rule(arch):
+    """The UniMAE rule, written out: the tokenizer's ids of the whole text (its own EOS dropped), the first
+    max_length - 1 of them, then EOS."""
+    tokenizer = _tokenizer(arch)
+    eos = tokenizer.eos_token_id
+    texts = [source[: char_budget(tokenizer, MAX_LENGTH + 2) + shift] for source in HOSTILE for shift in (-5, 0, 5)]
+    for text, item in zip(texts, _build("eos", tokenizer, texts, {}), strict=True):
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        ids = ids[:-1] if ids and ids[-1] == eos else ids
+        assert item.ids == ids[: MAX_LENGTH - 1] + [eos]
+
+
+def test_invalid_utf8_on_stdin_is_one_sentence(tiny_model_dirs, monkeypatch, capsys):
+    """Before (``printf 'ok\\n\\xff\\n' | unimae embed``): TypeError: TextEncodeInput must be ... (a traceback)."""
+    stdin = io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n"), encoding="utf-8", errors="surrogateescape")  # C locale
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["embed", "--model", str(tiny_model_dirs["llama"])]) == 2
+    err = capsys.readouterr().err
+    assert "line 2 of standard input is not UTF-8 text (byte 0xff at byte 0)" in err and "Traceback" not in err
+
+
+def test_stdin_lines_split_as_text_mode_did(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("first\r\nsecond\n\nthird é".encode())))
+    assert read_texts([], None) == ["first", "second", "", "third é"]
+
+
+@pytest.mark.parametrize(
+    "argv, where",
+    [
+        (["generate", "ok \udcff"], "the prompt"),
+        (["embed", "ok", "bad \udcff"], "text argument 2"),
+        (["embed", "--prompt", "query\udcff: ", "ok"], "--prompt"),
+        (["ask", "why \udcff", "--index", "nowhere"], "the question"),
+    ],
+)
+def test_invalid_utf8_in_arguments_is_one_sentence(tiny_model_dirs, argv, where, capsys):
+    """Before (``unimae generate $'ok \\xff'``): the tokenizer's TypeError. Python hands the undecodable byte over
+    as the lone surrogate U+DCFF."""
+    model = [] if argv[0] == "ask" else ["--model", str(tiny_model_dirs["llama"])]
+    assert main([*argv, *model]) == 2
+    assert f"{where} is not UTF-8 text (byte 0xff at character" in capsys.readouterr().err
+
+
+def _tiny_gguf(path: Path) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 256), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "fake"])
+def test_a_truncated_or_fake_gguf_is_one_sentence(tmp_path, damage, capsys):
+    """Before: struct.error (a traceback), or numpy's 'cannot reshape array' naming no file."""
+    path = tmp_path / "model.gguf"
+    if damage == "fake":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00 and then nothing a GGUF holds")
+    else:
+        _tiny_gguf(path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model.gguf is not a readable GGUF model .*truncated, damaged or not a GGUF"):
+        resolve_model_path(str(path))
+    assert main(["embed", "--model", str(path), "hello"]) == 2
+    assert "model.gguf is not a readable GGUF model" in capsys.readouterr().err
+
+
+def test_export_to_a_folder_that_cannot_be_written_fails_before_merging(tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    """Before: the merge ran first (60 s for a real model), then the write failed."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr("unimae.export.merged_model", lambda *args: pytest.fail("merged before checking --output"))
+    argv = ["export", "--model", str(tiny_model_dirs["llama"]), "--format", "gguf", "--output"]
+    assert main([*argv, str(blocker / "sub" / "model.gguf")]) == 2
+    assert f"cannot write to {blocker / 'sub'} (" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+class SafetensorError(Exception):
+    """Stands in for safetensors' own error class (not an OSError), which a full disk raises."""
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError('Error while serializing: IoError(Os { code: 28, message: "No space left on device" })'),
+    ],
+    ids=["oserror", "safetensors"],
+)
+def test_full_disk_during_export_leaves_no_partial_folder(tiny_model_dirs, tmp_path, monkeypatch, capsys, failure):
+    """Before: the library's error (a SafetensorError traceback) and a `.exp.partial/` folder left behind."""
+
+    def disk_full(model, adapter, directory):
+        (Path(directory) / "model.safetensors").write_bytes(b"half a model")
+        raise failure
+
+    monkeypatch.setattr("unimae.export.save_merged", disk_full)
+    out = tmp_path / "exp"
+    assert main(["export", "--model", str(tiny_model_dirs["llama"]), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"could not write {out}: the disk is full" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_while_writing_the_index_is_one_sentence(tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    """Before: FAISS's RuntimeError (a traceback)."""
+    import faiss
+
+    def disk_full(index, path):
+        Path(path).write_bytes(b"half an index")
+        raise RuntimeError(
+            "Error in faiss::write_index: 'ret == (n)' failed: write error in x (No space left on device)"
+        )
+
+    monkeypatch.setattr(faiss, "write_index", disk_full)
+    corpus, out = tmp_path / "docs.txt", tmp_path / "idx"
+    corpus.write_text("\n".join(SENTENCES) + "\n")
+    argv = ["index", "--model", str(tiny_model_dirs["llama"]), "--corpus", str(corpus), "--output-dir", str(out)]
+    assert main([*argv, "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert f"could not write {out / 'index.faiss'}: the disk is full" in err and "Traceback" not in err
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+@pytest.mark.parametrize("key", ["clé-secrète", "tab\tkey", " padded "])
+def test_an_api_key_no_client_can_send_is_refused_at_start(key, monkeypatch, capsys):
+    """Before: accepted, and every request got 401 (the header read as latin-1, the key encoded as UTF-8)."""
+    with pytest.raises(ValueError, match="printable ASCII"):
+        ServerConfig(api_key=key)
+    monkeypatch.setenv("UNIMAE_API_KEY", key)
+    assert main(["serve", "--model", "/nowhere/model"]) == 2
+    assert "the API key must be printable ASCII" in capsys.readouterr().err  # said before any model is loaded
+
+
+def _post_embeddings(encoder, bodies: list[dict]) -> list:
+    """POST each body to /v1/embeddings of an in-process server over ``encoder``; the responses."""
+    import httpx
+
+    from unimae.serving.app import create_app
+
+    app = create_app(encoder, ServerConfig(model_name="tiny"))
+    state = app.state.server
+
+    async def run():
+        state.batcher.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            responses = [await http.post("/v1/embeddings", json=body) for body in bodies]
+        await state.batcher.stop()
+        return responses
+
+    return asyncio.run(run())
+
+
+def test_a_nan_embedding_is_a_clear_error_not_a_500_nor_nan_bytes(tiny_model_dirs, monkeypatch):
+    """Before: float answers were 500 ('Out of range float values are not JSON compliant'), base64 answers 200
+    with NaN bytes."""
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
+    embed = encoder.encode_inputs
+
+    def second_is_nan(inputs, **kwargs):
+        vectors = embed(inputs, **kwargs)  # (N, D)
+        vectors[1:2] = np.nan
+        return vectors
+
+    monkeypatch.setattr(encoder, "encode_inputs", second_is_nan)
+    texts = ["the cat sat", "a dog ran"]
+    for response in _post_embeddings(encoder, [{"input": texts}, {"input": texts, "encoding_format": "base64"}]):
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["code"] == "non_finite_embedding" and error["param"] == "input"
+        assert "NaN or infinite embedding for input[1] (1 of 2 inputs)" in error["message"]
