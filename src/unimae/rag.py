@@ -25,6 +25,7 @@ import numpy as np
 
 from unimae.adapter import adapter_revision, model_revision
 from unimae.decoding import decode_tokens
+from unimae.disk_index import DiskIndex, open_index
 from unimae.encoder import Encoder, finish_embeddings
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
 from unimae.index import Hit, VectorIndex, VectorIndexError
@@ -267,15 +268,16 @@ def load_index_and_encoder(
     adapter: str | None = None,
     precision: str = "auto",
     merge: bool | None = None,
-) -> tuple[Encoder, VectorIndex]:
-    """Open the index in ``index_dir`` and the encoder that embeds queries the way its passages were embedded.
+) -> tuple[Encoder, VectorIndex | DiskIndex]:
+    """Open the index in ``index_dir`` (a memory or a disk store, as its manifest says) and the encoder that embeds
+    queries the way its passages were embedded.
 
     ``model`` and ``adapter`` default to the ones the index was built with (its manifest); an adapter whose
     revision (content hash of its weights) is not the one recorded in the manifest is refused. The embedding
     spec (attention, pooling and its options) and ``max_length`` always come from the index. ``merge=None``
     merges the LoRA exactly when the index build did.
     """
-    index = VectorIndex.load(index_dir)
+    index = open_index(index_dir)
     manifest = index.manifest
     adapter = adapter if adapter is not None else manifest.get("adapter")
     if adapter is not None and not Path(adapter).is_dir():

@@ -7,7 +7,11 @@ import json
 from pathlib import Path
 
 from unimae.cli.arguments import add_command, add_model_arguments
+from unimae.cli.embed import utf8_argument
 from unimae.index import INDEX_KINDS
+
+STORES = ("memory", "disk")
+ENGINES = ("local", "ray")
 
 
 def add_index_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +37,38 @@ def add_index_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="Passages per forward pass.")
     parser.add_argument("--max-length", type=int, default=512, help="Tokens per passage, EOS included.")
     parser.add_argument("--overwrite", action="store_true", help="Rebuild an index folder made from other data.")
+    add_store_arguments(parser)
+    add_engine_arguments(parser)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default="memory",
+        choices=STORES,
+        help="memory = the FAISS index (--kind) in RAM; disk = IVF-PQ codes in RAM, exact rerank from vectors on "
+        "disk (a corpus larger than RAM; `ask` and `serve` read it the same way).",
+    )
+    parser.add_argument("--nlist", type=int, help="--store disk: IVF cells (default about 4*sqrt(N)).")
+    parser.add_argument("--nprobe", type=int, help="--store disk: cells searched per query, at least (default 16).")
+    parser.add_argument(
+        "--target-recall", type=float, help="--store disk: raise nprobe at build until recall@10 reaches it (0.95)."
+    )
+    parser.add_argument("--pq-m", type=int, help="--store disk: PQ code bytes per vector (default: near D/12).")
+    parser.add_argument("--rerank", type=int, help="--store disk: candidates re-scored exactly (default 200).")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        default="local",
+        choices=ENGINES,
+        help="local = embed in this process; ray = a Ray Data pool of encoders (pip install 'unimae[ray]').",
+    )
+    parser.add_argument("--address", help="--engine ray: the Ray cluster to join (default: start a local Ray).")
+    parser.add_argument("--workers", type=int, default=2, help="--engine ray: encoder actors, one model each.")
+    parser.add_argument("--num-gpus-per-worker", type=float, default=0, help="--engine ray: GPUs per actor.")
+    parser.add_argument("--num-cpus-per-worker", type=float, default=1, help="--engine ray: CPUs per actor.")
 
 
 def add_ask_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,38 +87,74 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
 def _index(args: argparse.Namespace) -> int:
     from unimae.adapter import adapter_revision, model_revision
     from unimae.corpus import load_passages
-    from unimae.encoder import Encoder
-    from unimae.index import IndexConfig, VectorIndex
 
-    config = IndexConfig(
-        kind=args.kind, shard_size=args.shard_size, batch_size=args.batch_size, dimensions=args.dimensions
-    )
+    config = _index_config(args)
     passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
     print(f"{len(passages)} passages from {args.corpus}")
-    encoder = Encoder.from_pretrained(
-        args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision
-    )
     source = {
         "model": args.model,
         "model_revision": model_revision(args.model),  # a local folder's weights: a rebuilt folder is not resumed
         "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
         "adapter_revision": adapter_revision(args.adapter),
         "corpus": args.corpus,
-        "merged": encoder.adapter_merged,  # queries must be embedded the same way (rag.load_index_and_encoder)
-    }
-    index = VectorIndex.build(encoder, passages, args.output_dir, config, source=source, overwrite=args.overwrite)
-    print(f"wrote a {config.kind} index of {len(index)} passages to {args.output_dir}")
+    }  # the build adds whether the LoRA was merged: queries must be embedded the same way (load_index_and_encoder)
+    build = _build_on_ray if args.engine == "ray" else _build_here
+    index = build(args, passages, config, source)
+    print(f"wrote a {index.kind} index of {len(index)} passages to {args.output_dir}")
     return 0
+
+
+def _index_config(args: argparse.Namespace):
+    """The IndexConfig (--store memory) or DiskIndexConfig (--store disk) the flags ask for."""
+    from unimae.disk_index import DiskIndexConfig
+    from unimae.index import IndexConfig
+
+    common = {"shard_size": args.shard_size, "batch_size": args.batch_size, "dimensions": args.dimensions}
+    names = ("nlist", "nprobe", "pq_m", "rerank", "target_recall")
+    disk = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if args.store == "memory":
+        if disk:
+            raise ValueError(f"--{', --'.join(disk).replace('_', '-')} set the disk store: add --store disk")
+        return IndexConfig(kind=args.kind, **common)
+    if args.kind != "flat":
+        raise ValueError("--kind picks the FAISS index of --store memory; --store disk is IVF-PQ with exact rerank")
+    return DiskIndexConfig(**common, **disk)
+
+
+def _build_here(args: argparse.Namespace, passages: list, config, source: dict):
+    from unimae.disk_index import DiskIndex, DiskIndexConfig
+    from unimae.encoder import Encoder
+    from unimae.index import VectorIndex
+
+    encoder = Encoder.from_pretrained(
+        args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision
+    )
+    store = DiskIndex if isinstance(config, DiskIndexConfig) else VectorIndex
+    return store.build(encoder, passages, args.output_dir, config, source=source, overwrite=args.overwrite)
+
+
+def _build_on_ray(args: argparse.Namespace, passages: list, config, source: dict):
+    from unimae.ray_index import EncoderLoad, RayConfig, build_on_ray
+
+    load = EncoderLoad(args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision)
+    ray_config = RayConfig(
+        address=args.address,
+        workers=args.workers,
+        num_gpus_per_worker=args.num_gpus_per_worker,
+        num_cpus_per_worker=args.num_cpus_per_worker,
+    )
+    return build_on_ray(load, passages, args.output_dir, config, source, args.overwrite, ray_config)
 
 
 def _ask(args: argparse.Namespace) -> int:
     from unimae.generation import GenerationParams
     from unimae.rag import RAG, RAGAnswer, RAGConfig, load_index_and_encoder
 
+    question = utf8_argument(args.question, "the question")
     encoder, index = load_index_and_encoder(args.index, args.model, args.adapter, precision=args.precision)
     rag = RAG(encoder, index, RAGConfig(k=args.k, reuse_kv=not args.no_kv_reuse))
     answer = None
-    for item in rag.stream(args.question, params=GenerationParams(max_new_tokens=args.max_new_tokens)):
+    for item in rag.stream(question, params=GenerationParams(max_new_tokens=args.max_new_tokens)):
         if isinstance(item, RAGAnswer):
             answer = item
         elif args.json:

@@ -89,9 +89,9 @@ def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
         raise ValueError("--model, --adapter and --merge are for --engine torch; the GGUF already holds the merge")
     index = None
     if args.index:
-        from unimae.index import VectorIndex
+        from unimae.disk_index import open_index
 
-        index = VectorIndex.load(args.index)
+        index = open_index(args.index)
     model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots)
     if values["model_name"] == ServerConfig.model_name:
         values["model_name"] = model.name
