@@ -1,34 +1,26 @@
 #!/usr/bin/env bash
-# One model for RAG: UniMAE -> UniMAE+SimCSE -> supervised contrastive on the [EOS] embedding (the UniMAE
-# paper's App. D stage), causal attention throughout, so the adapter still generates and reuses the KV cache.
-# Then the dev suite and the one-model RAG benchmark.
+# The released one-model retriever: the supervised contrastive stage on the [EOS] embedding (UniMAE paper App. D),
+# causal attention throughout, so the adapter still generates and reuses the query's KV cache in RAG; with the
+# query prompt on asymmetric sources, Matryoshka dimensions and a next-token term that keeps generation from
+# looping (docs/methods.md, "Supervised contrastive"; the choices: recipes/retrieval_choices.sh and
+# docs/results.md). Then the dev suite, the per-dimension table, the RAG benchmark, the generation suites, the
+# greedy-repetition check, and the release (releases/RELEASE).
+#   MODEL=gemma3-270m bash recipes/retrieval.sh
 #   MODEL=smollm2-135m bash recipes/retrieval.sh
-# Gemma-3-270M (its p_mar 0.5 UniMAE run; a next-token term keeps its generation from looping):
-#   MODEL=gemma3-270m UNIMAE_RUN=unimae-p0.5 UNIMAE_LABEL=unimae-p0.5-eos UNIMAE_FLAGS="--p-mar 0.5" \
-#     SUP_RUN=unimae-p0.5-simcse-suplm SUP_FLAGS="--lm-weight 0.1 --lm-texts 64" bash recipes/retrieval.sh
-# Training wall time for SmolLM2-135M on 2 CPU cores (AMD EPYC, measured): about 1.9 h. UniMAE 100 steps 994 s,
-# SimCSE 60 steps 524 s, supervised 80 steps of batch 256 5,334 s (1.46M tokens, 274 tokens/s; 67 s/step, wiki and
-# medquad batches ~100 s). Evaluation after it: about 40 min (dev suite, SciFact most of it) + a few minutes (RAG).
-# See docs/methods.md, "Supervised contrastive".
-# Every stage resumes (recipes/train_run.sh): a finished stage is skipped, an interrupted one continues from
-# its newest checkpoint (rerun the script), a larger SUP_STEPS lengthens a finished supervised stage, and
-# finished evaluation tasks are skipped.
-# The UniMAE and SimCSE stages are the runs of recipes/table1.sh (same RUNS folder and names): shared.
-# Results: the final adapter is the row `retrieval-eos` in OUT (results/retrieval-<smollm2|gemma3>), and
-# OUT/summary.json puts it next to `unimae-eos`, `base-echo` and `all-MiniLM-L6-v2` as scored in DEV
-# (results/dev-<smollm2|gemma3>, by recipes/table1.sh from the same RUNS/unimae adapter; read there, not
-# re-scored). The RAG benchmark (one model vs MiniLM + the same LLM) goes into results/rag-benchmark.json, and
-# the generation suite (every item) to results/generation-<short>/retrieval, the base model's beside it in
-# results/generation-<short>/base-full-scorer (SmolLM2: about 64 min for the adapter on AMD EPYC).
-# Environment: RUNS, OUT, DEV, PAIRS (folder for the wiki pairs built here; outside the repository),
-# SIMCSE_STEPS (default 60 as in Table 1; 0 skips SimCSE), SUP_STEPS (80), SUP_BATCH (256), SUP_CHUNK
-# (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt: square root of each file's size),
-# UNIMAE_RUN (name of the UniMAE run in RUNS, default unimae; the later stages are named after it),
-# UNIMAE_FLAGS (extra flags for that stage, e.g. "--p-mar 0.5"), UNIMAE_LABEL (its row in DEV, unimae-eos),
-# SUP_FLAGS (extra flags for the supervised stage, e.g. "--symmetric-loss"), SUP_RUN (that stage's run name;
-# default: the SimCSE run's name + "-sup", or the UniMAE run's when SIMCSE_STEPS=0), WIKI (1: add inverse-cloze
-# pairs from pretrain/; 0: only the 8 files of train/), TASKS (dev suite by default; "" skips evaluation),
-# RAG_QUESTIONS (20; 0 skips the RAG benchmark), GENERATION (1; 0 skips the generation suites).
+# Budget: SUP_STEPS steps of SUP_BATCH pairs (default 560 x 256: every one of the ~149k pairs seen about once),
+# evaluated every CURVE_EVERY steps (dev suite with texts cut to CURVE_MAX_LENGTH tokens: results/retrieval-
+# <short>/curve/curve.json); with STOP_EARLY=1 the run stops when the dev average did not rise over the last
+# CURVE_EVERY steps. On 2 CPU cores about 67 s (SmolLM2) / 92 s (Gemma) a step: many sittings.
+# Sittings: every stage resumes (recipes/train_run.sh) and finished evaluations are skipped. On a fresh machine,
+# where the run's checkpoints are gone, the supervised stage continues from the release it left
+# (`unimae train --continue-adapter releases/RELEASE`: the same LoRA and data order, Adam restarted). To end a
+# sitting: SIGTERM the training (it writes its adapter at the step it reached), then `RELEASE_ONLY=1 bash
+# recipes/retrieval.sh` writes the release from that adapter and its last curve point.
+# Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
+# START (none: the LoRA on the base model, a release is one LoRA; unimae: on top of the UniMAE stage), SUP_STEPS,
+# SUP_BATCH (256), SUP_CHUNK (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt), TEMPERATURE,
+# SUP_FLAGS (more flags), CURVE_EVERY (80), CURVE_MAX_LENGTH (256), STOP_EARLY (1), TASKS (dev; "" skips the
+# evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -39,66 +31,160 @@ DEV=${DEV:-results/dev-$SHORT}
 PAIRS=${PAIRS:-../data-pairs}
 UNIMAE=${UNIMAE:-.venv/bin/unimae}
 PYTHON=${PYTHON:-.venv/bin/python}
-SIMCSE_STEPS=${SIMCSE_STEPS:-60}
-SUP_STEPS=${SUP_STEPS:-80}
+RELEASE=${RELEASE:-unimae-$MODEL-retriever}
+RELEASES=${RELEASES:-releases}
+SUP_RUN=${SUP_RUN:-retriever}
+START=${START:-none}
+SUP_STEPS=${SUP_STEPS:-560}
 SUP_BATCH=${SUP_BATCH:-256}
 SUP_CHUNK=${SUP_CHUNK:-32}
 SUP_MAX_LENGTH=${SUP_MAX_LENGTH:-128}
 SUP_WEIGHTS=${SUP_WEIGHTS:-sqrt}
+TEMPERATURE=${TEMPERATURE:-0.05}
 SUP_FLAGS=${SUP_FLAGS:-}
-SUP_RUN=${SUP_RUN:-}
-UNIMAE_RUN=${UNIMAE_RUN:-unimae}
-UNIMAE_FLAGS=${UNIMAE_FLAGS:-}
-UNIMAE_LABEL=${UNIMAE_LABEL:-unimae-eos}
+CURVE_EVERY=${CURVE_EVERY:-80}
+CURVE_MAX_LENGTH=${CURVE_MAX_LENGTH:-256}
+STOP_EARLY=${STOP_EARLY:-1}
 TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
 GENERATION=${GENERATION:-1}
+RELEASE_ONLY=${RELEASE_ONLY:-0}
 
+# shellcheck source=recipes/retrieval_data.sh
+source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
 # shellcheck source=recipes/train_run.sh
 source "$(dirname "$0")/train_run.sh"
-train() {  # name, then train flags (see train_run.sh: resumes an interrupted run, skips a finished one)
-  local name=$1; shift
-  train_run "$RUNS/$name" --model "$MODEL" "$@"
+
+run=$RUNS/$SUP_RUN
+init=()
+if [ "$START" = unimae ]; then
+  train_run "$RUNS/unimae" --model "$MODEL" --method unimae
+  init=(--init-adapter "$RUNS/unimae/adapter")
+fi
+# shellcheck disable=SC2206  # SUP_FLAGS is a word list on purpose
+sup_flags=(--model "$MODEL" --method contrastive "${init[@]}" --data "$files" --data-weights "$SUP_WEIGHTS"
+  --batch-size "$SUP_BATCH" --micro-batch-size "$SUP_BATCH" --grad-cache-chunk "$SUP_CHUNK"
+  --max-length "$SUP_MAX_LENGTH" --save-every 5 --temperature "$TEMPERATURE" --query-prompt "$QUERY_PROMPT"
+  --symmetric-sources "$SYMMETRIC" --matryoshka-dims "$MRL_DIMS" --lm-weight 0.1 --lm-texts 64 $SUP_FLAGS)
+
+train_to() {  # steps: the supervised stage up to that many steps (resumed, or continued from the release)
+  if [ ! -d "$run/checkpoints" ] && [ ! -f "$run/adapter/adapter_config.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
+    $UNIMAE train --continue-adapter "$RELEASES/$RELEASE" --output-dir "$run" "${sup_flags[@]}" --steps "$1"
+  else
+    train_run "$run" "${sup_flags[@]}" --steps "$1"
+  fi
 }
 
-# The supervised pairs ($files; the 8 files of train/ and the wiki inverse-cloze pairs) and the prompts.
-# shellcheck source=recipes/retrieval_data.sh
-source "$(dirname "$0")/retrieval_data.sh"
+adapter_steps() {  # the steps the run's adapter holds ('' without one)
+  [ -f "$run/adapter/unimae.json" ] || return 0
+  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$run/adapter/unimae.json"
+}
 
-# shellcheck disable=SC2086  # UNIMAE_FLAGS is a word list on purpose
-train "$UNIMAE_RUN" --method unimae $UNIMAE_FLAGS
-init=$RUNS/$UNIMAE_RUN/adapter
-sup=$UNIMAE_RUN-sup
-if [ "$SIMCSE_STEPS" -gt 0 ]; then
-  train "$UNIMAE_RUN-simcse" --method simcse --steps "$SIMCSE_STEPS" --init-adapter "$init"
-  init=$RUNS/$UNIMAE_RUN-simcse/adapter
-  sup=$UNIMAE_RUN-simcse-sup
+curve_point() {  # steps: the dev suite of the adapter at that step (texts cut to CURVE_MAX_LENGTH tokens)
+  # shellcheck disable=SC2086  # TASKS is a word list on purpose
+  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks $TASKS --data-dir "$DATA" \
+    --output-dir "$OUT/curve" --label "step-$1" --max-length "$CURVE_MAX_LENGTH"
+}
+
+scored_for() {  # folder: true if its run.json was evaluated for the run's adapter as it is now
+  $PYTHON - "$1" "$run/adapter" <<'EOF'
+import json, sys
+from pathlib import Path
+from unimae.adapter import adapter_revision
+record = Path(sys.argv[1]) / "run.json"
+sys.exit(0 if record.is_file() and json.loads(record.read_text()).get("revision") == adapter_revision(sys.argv[2]) else 1)
+EOF
+}
+
+release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter
+  local dev=$OUT/retrieval-eos summary=() steps
+  if scored_for "$dev"; then
+    summary=(--summary "$OUT/summary.json")
+  else  # a sitting's end: the curve point of the adapter's step, or at least STS17 (the release test's task)
+    steps=$(adapter_steps)
+    dev=$OUT/curve/step-$steps
+    scored_for "$dev" || $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks STS17 \
+      --data-dir "$DATA" --output-dir "$OUT/curve" --label "step-$steps" --max-length "$CURVE_MAX_LENGTH"
+  fi
+  $UNIMAE release --adapter "$run/adapter" --name "$RELEASE" --root "$RELEASES" --dev-results "$dev" "${summary[@]}" \
+    --generation "results/generation-$SHORT/retrieval/generation.json" \
+    --base-generation "results/generation-$SHORT/base-full-scorer/generation.json" --rag "$OUT/rag.json" \
+    --repetition "results/generation-$SHORT/greedy-repetition.json" --table "$OUT/dimensions.json" \
+    --table "$OUT/curve/curve.json" --train-log "$run/log.jsonl" --command "MODEL=$MODEL bash recipes/retrieval.sh"
+}
+
+if [ "$RELEASE_ONLY" = 1 ]; then
+  release
+  exit 0
 fi
-sup=${SUP_RUN:-$sup}
-# One batch of SUP_BATCH pairs per step, drawn from one source; the gradient cache embeds it in chunks of
-# SUP_CHUNK texts, so the micro-batch is the whole batch (in-batch negatives span all of it).
-# shellcheck disable=SC2086  # SUP_FLAGS is a word list on purpose
-train "$sup" --method contrastive --init-adapter "$init" --data "$files" --data-weights "$SUP_WEIGHTS" \
-  --steps "$SUP_STEPS" --batch-size "$SUP_BATCH" --micro-batch-size "$SUP_BATCH" --grad-cache-chunk "$SUP_CHUNK" \
-  --max-length "$SUP_MAX_LENGTH" --save-every 5 $SUP_FLAGS
 
-final=$RUNS/$sup/adapter
+steps_held() {  # the steps the run's adapter holds, else the release's (a fresh machine), else 0
+  $PYTHON - "$run/adapter/unimae.json" "$RELEASES/$RELEASE/unimae.json" <<'EOF'
+import json, sys
+from pathlib import Path
+found = [json.loads(Path(p).read_text()).get("trained_steps", 0) for p in sys.argv[1:] if Path(p).is_file()]
+print(found[0] if found else 0)
+EOF
+}
+
+# The supervised stage, CURVE_EVERY steps at a time, with a dev-suite point after each.
+previous=""
+held=$(steps_held)
+for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVERY )); do
+  (( steps > SUP_STEPS )) && steps=$SUP_STEPS
+  if (( steps > held )); then
+    train_to "$steps"
+    held=$steps
+  fi
+  [ -n "$TASKS" ] || continue
+  if [ "$(adapter_steps)" = "$steps" ]; then
+    curve_point "$steps"  # finished tasks are skipped
+  elif [ ! -f "$OUT/curve/step-$steps/run.json" ]; then
+    echo "retrieval.sh: no curve point at step $steps (a sitting ended past it; its adapter is gone)"
+    continue
+  fi
+  labels=$(ls -d "$OUT"/curve/step-* | xargs -n1 basename | sort -t- -k2 -n | tr '\n' ' ')
+  # shellcheck disable=SC2086  # labels and TASKS are word lists on purpose
+  $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $TASKS --name curve --labels $labels
+  if [ "$STOP_EARLY" = 1 ] && [ -n "$previous" ] && ! $PYTHON - "$OUT/curve/curve.json" "$previous" "step-$steps" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+sys.exit(0 if rows[sys.argv[3]]["average"] > rows[sys.argv[2]]["average"] else 1)  # rose: go on
+EOF
+  then
+    echo "retrieval.sh: the dev average did not rise from $previous to step-$steps: the stage stops here"
+    break
+  fi
+  previous=step-$steps
+done
+
+final=$run/adapter
 if [ -n "$TASKS" ]; then
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
     --output-dir "$OUT" --label retrieval-eos
+  for dims in ${MRL_DIMS//,/ }; do  # the Matryoshka prefixes, scored from the same cached vectors
+    # shellcheck disable=SC2086
+    $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
+      --output-dir "$OUT" --label "retrieval-eos-d$dims" --dimensions "$dims"
+  done
+  dims_labels=$(for d in ${MRL_DIMS//,/ }; do printf 'retrieval-eos-d%s ' "$d"; done)
+  # shellcheck disable=SC2086
+  $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name dimensions --labels retrieval-eos $dims_labels
   # shellcheck disable=SC2086
   $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
-    "unimae-eos=$DEV/$UNIMAE_LABEL" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
+    "unimae-eos=$DEV/unimae-eos" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
+  $PYTHON benchmarks/index_kinds.py --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
+    --kinds flat sq8 binary --dimensions 0 256 128 --output "$OUT/index-kinds.json"
 fi
 if [ "$RAG_QUESTIONS" -gt 0 ]; then
   $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$final" --skip-server \
     --questions "$RAG_QUESTIONS" --output "$OUT/rag.json"
 fi
-# The generation suite (every item) of the final adapter, then of the base model it is compared with (the
-# unimae scorer for both); each task is skipped once written, so a stopped suite resumes.
 if [ "$GENERATION" = 1 ]; then
+  $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "retrieval=$final"
   $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
     --output-dir "results/generation-$SHORT/retrieval"
   $UNIMAE evaluate generation --model "$MODEL" --data-dir "$DATA" --output-dir "results/generation-$SHORT/base-full-scorer"
 fi
+release

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-HELPER = Path(__file__).resolve().parents[1] / "recipes" / "train_run.sh"
+ROOT = Path(__file__).resolve().parents[1]
+HELPER = ROOT / "recipes" / "train_run.sh"
 RESUME = "train --resume --output-dir {run} --steps 3"
 
 
@@ -42,43 +43,63 @@ def test_train_run_starts_resumes_or_skips(tmp_path, files, expected):
     assert calls == ([] if expected is None else [expected.format(run=run)])
 
 
-@pytest.mark.parametrize(
-    ("env", "stages"),
-    [
-        ({}, ["unimae", "unimae-simcse", "unimae-simcse-sup"]),
-        ({"SIMCSE_STEPS": "0"}, ["unimae", "unimae-sup"]),
-        (
-            {"SUP_RUN": "unimae-simcse-suplm", "SUP_FLAGS": "--lm-weight 0.1"},
-            ["unimae", "unimae-simcse", "unimae-simcse-suplm"],
-        ),
-    ],
-    ids=["default", "no-simcse", "named-supervised-run"],
-)
-def test_retrieval_recipe_chains_its_stages(tmp_path, env, stages):
-    """recipes/retrieval.sh trains UniMAE -> (SimCSE) -> supervised, each from the previous stage's adapter, on
-    the files of train/ (evaluation switched off); SUP_RUN names the supervised run, SUP_FLAGS reach it."""
+def _retrieval_calls(tmp_path: Path, env: dict, release_steps: int | None = None) -> list[str]:
+    """The `unimae` command lines recipes/retrieval.sh issues with a stand-in CLI (evaluation switched off)."""
     calls, cli, data, runs = tmp_path / "calls", tmp_path / "fake-unimae", tmp_path / "data", tmp_path / "runs"
-    cli.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    cli.write_text(f"#!/bin/sh\nprintf '%s' \"$*\" | tr '\\n' ' ' >> {calls}\necho >> {calls}\n")  # one line a call
     cli.chmod(0o755)
     (data / "train").mkdir(parents=True)
     for name in ("a.jsonl", "b.jsonl"):
         (data / "train" / name).write_text("")
-    recipe = HELPER.parent / "retrieval.sh"
+    releases = tmp_path / "releases"
+    if release_steps is not None:  # a release left by an earlier sitting on another machine
+        (releases / "r").mkdir(parents=True)
+        (releases / "r" / "unimae.json").write_text(f'{{"trained_steps": {release_steps}}}')
     settings = {
         "UNIMAE": str(cli),
+        "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
         "UNIMAE_DATA": str(data),
         "RUNS": str(runs),
+        "RELEASES": str(releases),
+        "RELEASE": "r",
+        "OUT": str(tmp_path / "out"),
         "WIKI": "0",
         "TASKS": "",
         "RAG_QUESTIONS": "0",
         "GENERATION": "0",
+        "SUP_STEPS": "200",
+        "CURVE_EVERY": "80",
         "PATH": "/usr/bin:/bin",
         **env,
     }
-    subprocess.run(["bash", str(recipe)], check=True, env=settings)
-    lines = calls.read_text().splitlines()
-    assert [line.split("--output-dir ")[1].split()[0] for line in lines] == [str(runs / s) for s in stages]
-    for previous, line in zip(stages, lines[1:], strict=False):
-        assert f"--init-adapter {runs / previous}/adapter" in line
-    assert f"--data {data}/train/a.jsonl,{data}/train/b.jsonl" in lines[-1]
-    assert lines[-1].endswith(env.get("SUP_FLAGS", "--save-every 5"))
+    subprocess.run(["bash", str(HELPER.parent / "retrieval.sh")], check=True, env=settings, cwd=ROOT)
+    return calls.read_text().splitlines()
+
+
+@pytest.mark.parametrize("start", ["none", "unimae"])
+def test_retrieval_recipe_trains_in_curve_steps_and_releases(tmp_path, start):
+    """recipes/retrieval.sh: (UniMAE, then) the supervised stage with the recipe's flags, CURVE_EVERY steps at a
+    time up to SUP_STEPS, then the release of its adapter."""
+    lines = _retrieval_calls(tmp_path, {"START": start})
+    trains = [line for line in lines if line.startswith("train")]
+    runs = tmp_path / "runs"
+    supervised = [line for line in trains if f"--output-dir {runs / 'retriever'}" in line]
+    assert [line.split("--steps ")[1].split()[0] for line in supervised] == ["80", "160", "200"]
+    for flag in (
+        "--method contrastive",
+        "--query-prompt",
+        "--symmetric-sources",
+        "--matryoshka-dims",
+        "--lm-weight 0.1",
+    ):
+        assert all(flag in line for line in supervised)
+    assert all(("--init-adapter" in line) == (start == "unimae") for line in supervised)
+    assert (start == "unimae") == any(f"--output-dir {runs / 'unimae'}" in line for line in trains)
+    assert lines[-1].startswith("release --adapter") and "--name r" in lines[-1]
+
+
+def test_retrieval_recipe_continues_from_the_release_on_a_fresh_machine(tmp_path):
+    lines = _retrieval_calls(tmp_path, {}, release_steps=100)
+    trains = [line for line in lines if line.startswith("train")]
+    assert trains[0].startswith(f"train --continue-adapter {tmp_path / 'releases' / 'r'} --output-dir")
+    assert [line.split("--steps ")[1].split()[0] for line in trains] == ["160", "200"]  # 80 was held already

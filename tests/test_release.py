@@ -41,6 +41,9 @@ def test_a_release_is_bf16_found_by_name_and_embeds_as_its_adapter(tiny_model_di
     tiny = str(tiny_model_dirs["llama"])
     dev = tmp_path / "dev"
     expected = {task: _task_result(dev, task) for task in ("STS17", "SciFact")}
+    shutil.copy(SCORED / "run.json", dev / "run.json")
+    with pytest.raises(ValueError, match="not of the adapter released"):  # another adapter's results
+        build_card(CardInputs("x", tmp_path, dev), {}, revision="0123456789ab")
     card = build_card(CardInputs("tiny-retriever", tmp_path, dev), json.loads((adapter / "unimae.json").read_text()))
     out = make_release(adapter, "tiny-retriever", tmp_path / "releases", card=card)
     weights = load_file(out / "adapter_model.safetensors")

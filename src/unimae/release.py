@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from unimae.adapter import ADAPTER_META, INIT_ADAPTER, adapter_meta
+from unimae.adapter import ADAPTER_META, INIT_ADAPTER, adapter_meta, adapter_revision
 from unimae.files import atomic_write_json, atomic_write_text, read_json
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     partial.mkdir(parents=True)
     save_file(weights, partial / "adapter_model.safetensors", metadata={"format": "pt"})
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
-    atomic_write_json(partial / ADAPTER_META, {**meta, "release": {"name": name, "weights_dtype": "bfloat16"}})
+    release = {"name": name, "weights_dtype": "bfloat16", "source_revision": adapter_revision(source)}
+    atomic_write_json(partial / ADAPTER_META, {**meta, "release": release})
     atomic_write_text(partial / "README.md", card)
     if out.exists():
         shutil.rmtree(out)

@@ -55,8 +55,10 @@ class CardInputs:
     command: str = ""  # the recipe command that trained it
 
 
-def build_card(inputs: CardInputs, meta: dict) -> str:
-    """The whole card: YAML front matter, then the sections."""
+def build_card(inputs: CardInputs, meta: dict, revision: str | None = None) -> str:
+    """The whole card: YAML front matter, then the sections. ``revision``: the released adapter's (its fp32
+    weights' content hash); the dev results must be that adapter's, or the card would describe another model."""
+    check_results_belong(inputs.dev_results, revision)
     tasks = _dev_scores(inputs.dev_results)
     sections = [
         _front_matter(inputs.name, meta, tasks, inputs.dev_results),
@@ -67,6 +69,17 @@ def build_card(inputs: CardInputs, meta: dict) -> str:
         _limits(meta),
     ]
     return "\n".join(s for s in sections if s)
+
+
+def check_results_belong(folder: Path, revision: str | None) -> None:
+    """ValueError unless the dev-suite folder was evaluated for the adapter of ``revision`` (its run.json)."""
+    run = Path(folder) / "run.json"
+    scored = json.loads(run.read_text()).get("revision") if run.is_file() else None
+    if revision is not None and scored != revision:
+        raise ValueError(
+            f"{folder} holds the results of adapter revision {scored}, not of the adapter released ({revision}); "
+            "evaluate the adapter into its own folder first"
+        )
 
 
 def _dev_scores(folder: Path) -> dict[str, dict]:
@@ -174,7 +187,10 @@ def _results(inputs: CardInputs, tasks: dict[str, dict]) -> str:
 
 def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
     rows = [read_row(Path(inputs.dev_results), tasks, label=inputs.name)]
-    text = "Dev suite (9 MTEB tasks, official mteb evaluators, main score x 100):\n\n"
+    run = Path(inputs.dev_results) / "run.json"
+    length = json.loads(run.read_text()).get("max_length") if run.is_file() else None
+    text = f"Dev suite ({len(tasks)} MTEB tasks, official mteb evaluators, main score x 100, "
+    text += f"texts up to {length} tokens):\n\n"
     if inputs.summary is not None and Path(inputs.summary).is_file():
         return text + _summary_json_table(Path(inputs.summary), first=(inputs.name, rows[0]))
     header, cells = summary_table(rows)

@@ -50,14 +50,16 @@ def _release(args: argparse.Namespace) -> int:
         command=args.command,
     )
     if args.card_only:
-        card = build_card(inputs, release_meta(inputs.release))
+        meta = release_meta(inputs.release)
+        card = build_card(inputs, meta, meta.get("release", {}).get("source_revision"))
         (inputs.release / "README.md").write_text(card, encoding="utf-8")
         print(f"wrote the model card of {inputs.release}")
         return 0
     if not args.adapter:
         raise ValueError("--adapter is needed to write a release (or pass --card-only)")
-    from unimae.adapter import adapter_meta
+    from unimae.adapter import adapter_meta, adapter_revision
 
-    out = make_release(args.adapter, args.name, root, card=build_card(inputs, adapter_meta(args.adapter)))
+    card = build_card(inputs, adapter_meta(args.adapter), adapter_revision(args.adapter))
+    out = make_release(args.adapter, args.name, root, card=card)
     print(f"wrote release {out}")
     return 0
