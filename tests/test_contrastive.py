@@ -18,7 +18,7 @@ from unimae.attention import set_attention_dropout
 from unimae.config import TrainConfig, add_config_arguments, resolve_config
 from unimae.corpus import CorpusError
 from unimae.embedding_spec import EmbeddingSpec
-from unimae.losses.contrastive import info_nce
+from unimae.losses.info_nce import info_nce
 from unimae.losses.simcse import ContrastiveObjective, GradCacheContrastiveObjective
 from unimae.methods import Context, get_method
 from unimae.models import load_model

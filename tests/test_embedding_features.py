@@ -14,7 +14,7 @@ from test_contrastive import _config, _method, _records, _write
 from unimae.adapter import adapter_meta, embedding_spec
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.encoder import Encoder, finish_embeddings
-from unimae.losses.contrastive import info_nce
+from unimae.losses.info_nce import info_nce
 from unimae.losses.simcse import ContrastiveObjective
 from unimae.methods.base import pooled_batch
 from unimae.methods.contrastive import parse_dims

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from unimae.losses.contrastive import info_nce
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.mar import MARLoss
+from unimae.losses.info_nce import info_nce
+from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
 from unimae.pooling import last_hidden, pool, pooled_forward
 
@@ -78,7 +78,7 @@ class ContrastiveObjective(Objective):
         super().__init__(llm)
         self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
         self.lm_weight, self.lm_texts = lm_weight, lm_texts
-        self.ntp = MARLoss(ce_chunk_size, logit_softcap(llm.config))
+        self.ntp = NextTokenLoss(ce_chunk_size, logit_softcap(llm.config))
         full = llm.config.hidden_size
         if any(m > full for m in matryoshka_dims):
             raise ValueError(f"--matryoshka-dims {list(matryoshka_dims)}: each must be at most the model's size {full}")

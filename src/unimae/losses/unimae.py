@@ -14,8 +14,8 @@ from torch import nn
 
 from unimae.batch import Batch
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.mar import MARLoss
 from unimae.losses.mrc import MRCLoss, TinyDecoder
+from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
 from unimae.tokenization import last_token_index
 
@@ -54,7 +54,7 @@ class UniMAEObjective(Objective):
         config = llm.config
         self.alpha = alpha
         softcap = logit_softcap(config)
-        self.mar = MARLoss(chunk_size, softcap)
+        self.mar = NextTokenLoss(chunk_size, softcap)
         decoder = TinyDecoder(
             hidden_size=config.hidden_size,
             num_heads=mrc_heads or decoder_heads(config),
