@@ -18,8 +18,9 @@ from unimae.attention import set_attention_dropout
 from unimae.config import TrainConfig, add_config_arguments, resolve_config
 from unimae.corpus import CorpusError
 from unimae.embedding_spec import EmbeddingSpec
+from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.info_nce import info_nce
-from unimae.losses.simcse import ContrastiveObjective, GradCacheContrastiveObjective
+from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods import Context, get_method
 from unimae.models import load_model
 from unimae.pairs import SourceBatchOrder, load_mixture, pair_groups

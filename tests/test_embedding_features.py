@@ -15,7 +15,7 @@ from unimae.adapter import adapter_meta, embedding_spec
 from unimae.embedding_spec import EmbeddingSpec
 from unimae.encoder import Encoder, finish_embeddings
 from unimae.losses.info_nce import info_nce
-from unimae.losses.simcse import ContrastiveObjective
+from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import pooled_batch
 from unimae.methods.contrastive import parse_dims
 from unimae.models import load_model

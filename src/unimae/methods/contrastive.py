@@ -12,7 +12,7 @@ Prompts (``--query-prompt``, ``--document-prompt``): the queries (and documents)
 ``--symmetric-sources`` are embedded after the prompt's text; a symmetric source's pairs (paraphrases, NLI)
 take none, as texts are embedded outside retrieval. The prompts are saved in the adapter's spec.
 ``--matryoshka-dims`` sums InfoNCE over the full vector and each truncated prefix (see
-:class:`~unimae.losses.simcse.ContrastiveObjective`); the dimensions are saved in the spec as well.
+:class:`~unimae.losses.supervised_contrastive.ContrastiveObjective`); the dimensions are saved in the spec as well.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class Contrastive(Method):
         return self.mixture.order(self.config.batch_size, seed)
 
     def build_objective(self, llm):
-        from unimae.losses.simcse import ContrastiveObjective, GradCacheContrastiveObjective
+        from unimae.losses.grad_cache import GradCacheContrastiveObjective
+        from unimae.losses.supervised_contrastive import ContrastiveObjective
 
         c = self.config
         args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
