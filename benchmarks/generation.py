@@ -49,7 +49,7 @@ import torch
 # isort: on
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "speed.json"
@@ -88,7 +88,7 @@ class Run:
 class Unimae:
     """unimae's ``generate_stream`` on an Encoder's model through the server's in-flight batching scheduler,
     one stream and concurrent ones, as ``unimae serve`` runs them: every forward on the scheduler's model
-    thread (see :mod:`unimae.threads`). ``batching`` off: ``decode_tokens`` in each request's thread
+    thread (see :mod:`unimae.runtime.threads`). ``batching`` off: ``decode_tokens`` in each request's thread
     (``serve --no-continuous-batching``)."""
 
     def __init__(self, encoder, streams: int, batching: bool = True):
@@ -242,7 +242,7 @@ def _engine_process(conn, make) -> None:
 class EngineProcess:
     """One engine in a process of its own (spawned), so that neither engine's OpenMP threads count against the
     other's: torch and llama.cpp share one libgomp in a process, and libgomp stops spinning between parallel
-    regions once it manages more threads than there are CPUs (see :mod:`unimae.threads`). CPU ms per token
+    regions once it manages more threads than there are CPUs (see :mod:`unimae.runtime.threads`). CPU ms per token
     are the engine process's own."""
 
     def __init__(self, make):

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

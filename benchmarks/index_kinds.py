@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embed_throughput import STSB_RELATIVE, default_data_dir, load_sentences  # noqa: E402
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model  # noqa: E402
+from unimae.runtime.memory import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "llama.cpp-export"

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

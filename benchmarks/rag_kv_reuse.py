@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "rag_kv_reuse.json"

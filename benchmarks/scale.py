@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS, RANK, SPREAD, NOISE = 1000, 64, 0.6, 0.1  # the synthetic vectors (see the module docstring)

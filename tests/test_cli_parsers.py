@@ -14,7 +14,7 @@ from unimae.config import method_names
 from unimae.export import FORMATS
 from unimae.index import INDEX_KINDS, VectorIndexError
 from unimae.pooling import POOLINGS
-from unimae.precision import PRECISIONS
+from unimae.runtime.precision import PRECISIONS
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
 

@@ -1,8 +1,8 @@
 """unimae: one decoder-only LLM for generation and sentence embeddings (UniMAE, ACL 2025)."""
 
-from unimae.threads import default_spin
+from unimae.runtime.threads import default_spin
 
-default_spin()  # before anything imports torch: see unimae.threads
+default_spin()  # before anything imports torch: see unimae.runtime.threads
 
 from unimae.config import TrainConfig  # noqa: E402
 from unimae.encoder import Encoder  # noqa: E402

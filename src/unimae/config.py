@@ -16,7 +16,7 @@ from typing import Any
 
 from unimae.files import atomic_write_json, read_json
 from unimae.pooling import POOLINGS
-from unimae.precision import PRECISIONS
+from unimae.runtime.precision import PRECISIONS
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from unimae.kv_cache import (  # noqa: F401  (PreallocatedLayer, reusable_prefix
     start_cache,
     with_cache,
 )
-from unimae.precision import autocast
+from unimae.runtime.precision import autocast
 
 if TYPE_CHECKING:
     from unimae.generation import GenerationParams

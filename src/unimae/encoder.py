@@ -25,9 +25,9 @@ from unimae.embedding_spec import EmbeddingSpec
 from unimae.generation import GenerationParams, generate_text
 from unimae.kv_cache import returned_cache
 from unimae.pooling import PooledInput, pool
-from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
 from unimae.release import resolve_adapter
-from unimae.runtime import tune_allocator
+from unimae.runtime.memory import tune_allocator
+from unimae.runtime.precision import autocast, default_device, resolve_precision, weight_dtype
 from unimae.tokenization import pad_batch
 
 logger = logging.getLogger(__name__)

@@ -110,7 +110,7 @@ def generate_stream(
     """Yield text pieces of the continuation of ``input_ids``, then one :class:`GenerationResult`.
 
     The token loop runs in the caller's thread, one token per iteration of this iterator: the model's
-    forwards stay on one thread (see :mod:`unimae.threads`). Stop strings are cut from the text
+    forwards stay on one thread (see :mod:`unimae.runtime.threads`). Stop strings are cut from the text
     (never streamed); ``past_key_values`` must hold the KV cache of a prefix of ``input_ids`` and is not
     modified. Setting ``cancel`` (from any thread) ends the generation within a token; so does closing
     this iterator early (it sets ``cancel``).

@@ -51,8 +51,8 @@ from unimae.export import save_merged
 from unimae.files import atomic_write_json, atomic_write_text, writing
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
-from unimae.precision import autocast, resolve_precision, weight_dtype
-from unimae.runtime import release_if_above, resident_bytes, tune_allocator
+from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
+from unimae.runtime.precision import autocast, resolve_precision, weight_dtype
 from unimae.tokenization import choose_mask_token
 
 logger = logging.getLogger(__name__)
@@ -537,7 +537,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
             record, stopping = _train_step(run, step, stop)
             step += 1
             record["elapsed"] = round(time.perf_counter() - t0, 2)
-            release_if_above(0.25)  # a heap grown past a quarter of the machine: hand free pages back (runtime.py)
+            release_if_above(0.25)  # a heap grown past a quarter of the machine: hand free pages back (memory.py)
             rss = resident_bytes()
             if rss is not None:
                 record["rss_gb"] = round(rss / 1e9, 2)

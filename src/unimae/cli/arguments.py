@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from unimae.pooling import POOLINGS
-from unimae.precision import PRECISIONS
+from unimae.runtime.precision import PRECISIONS
 
 DEFAULT_MODEL = "smollm2-135m"
 Handler = Callable[[argparse.Namespace], int]

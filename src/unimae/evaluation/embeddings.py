@@ -18,7 +18,7 @@ from pathlib import Path
 from unimae.adapter import adapter_revision, model_revision
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
 from unimae.files import atomic_write, atomic_write_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 logger = logging.getLogger(__name__)
 

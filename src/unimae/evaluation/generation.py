@@ -149,7 +149,7 @@ def evaluate_generation(
 
     from unimae.adapter import adapter_revision, model_revision
     from unimae.evaluation.embeddings import versions
-    from unimae.precision import default_device, resolve_precision
+    from unimae.runtime.precision import default_device, resolve_precision
 
     if scorer not in SCORERS:
         raise ValueError(f"unknown scorer {scorer!r}; choose from {sorted(SCORERS)}")
@@ -212,8 +212,8 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     import torch
 
     from unimae.adapter import load_with_adapter
-    from unimae.precision import default_device, weight_dtype
-    from unimae.runtime import cpu_model
+    from unimae.runtime.memory import cpu_model
+    from unimae.runtime.precision import default_device, weight_dtype
 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))

@@ -27,7 +27,7 @@ How (the arithmetic is :class:`unimae.decoding.Decoder`'s):
 - Sharing the model: a prefill or a step holds the server's :class:`ModelLock`, which the embedding batcher
   holds for one chunk; the lock is FIFO, so embedding chunks run between decode steps: a chunk waits for at
   most one step (or prefill), a step for at most one chunk. Both run on the lock's one thread
-  (:meth:`ModelLock.run`), not on this scheduler's: see :mod:`unimae.threads`.
+  (:meth:`ModelLock.run`), not on this scheduler's: see :mod:`unimae.runtime.threads`.
 - Bounds: at most ``max_batch`` rows; what is submitted is bounded by the routes' ``GenerationSlots`` (sized
   ``max_batch`` running + ``--max-queued-generations`` waiting, then 429 before the stream's 200).
 - Errors: a prefill that fails ends its request with the error; a step that fails ends the rows in it; the

@@ -27,7 +27,7 @@ from unimae.generation import GenerationParams
 from unimae.index import VectorIndex
 from unimae.pooling import PooledInput
 from unimae.rag import RAG
-from unimae.runtime import release_free_memory
+from unimae.runtime.memory import release_free_memory
 from unimae.serving.batcher import DynamicBatcher
 from unimae.serving.config import ServerConfig
 from unimae.serving.model_lock import ModelLock
