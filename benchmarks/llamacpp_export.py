@@ -170,8 +170,8 @@ def sweep(args: argparse.Namespace, sentences: list[str], path: Path) -> list[di
     """llama.cpp embedding rates of one file under the settings users try, and one long input vs short ones."""
     import xllamacpp
 
+    from unimae.embedding.tokenization import encode_with_eos
     from unimae.serving.llamacpp_engine import gguf_tokenizer
-    from unimae.tokenization import encode_with_eos
 
     ids = encode_with_eos(gguf_tokenizer(path), sentences[: args.sweep_sentences], 512, warn=False)
     tokens = sum(map(len, ids))

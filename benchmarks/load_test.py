@@ -313,7 +313,7 @@ def rag_worker(mode: str, args) -> dict:
             build = time.perf_counter() - build_start
             rag = RAG(llm, index)
         else:
-            from unimae.embedding_spec import EmbeddingSpec
+            from unimae.embedding.spec import EmbeddingSpec
             from unimae.evaluation.reference import load_minilm
 
             minilm = load_minilm()

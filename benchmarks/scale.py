@@ -209,7 +209,7 @@ class TableEncoder:
     ``rows(start, count)`` makes (any shard alone: synthetic rows are drawn from a generator seeded by ``start``)."""
 
     def __init__(self, dim: int, rows):
-        from unimae.embedding_spec import EmbeddingSpec
+        from unimae.embedding.spec import EmbeddingSpec
 
         self.spec, self.max_length, self.precision, self.adapter_merged = EmbeddingSpec(), 512, "fp32", False
         self.embedding_dim, self.rows = dim, rows

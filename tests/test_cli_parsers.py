@@ -8,12 +8,12 @@ import re
 import pytest
 from conftest import SENTENCES
 
-from unimae.attention import ATTENTION_RULES
 from unimae.cli import build_parser, main
 from unimae.config import method_names
+from unimae.embedding.attention import ATTENTION_RULES
+from unimae.embedding.pooling import POOLINGS
 from unimae.export import FORMATS
 from unimae.index import INDEX_KINDS, VectorIndexError
-from unimae.pooling import POOLINGS
 from unimae.runtime.precision import PRECISIONS
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
@@ -165,7 +165,7 @@ def _adapter(tiny_dir, directory, spec, seed: int) -> str:
 def mean_index(tiny_model_dirs, tmp_path):
     """(index dir, its adapter, another adapter): an index built with a bidirectional-mean adapter."""
     from unimae.adapter import adapter_revision
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.index import VectorIndex
 

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from conftest import SENTENCES, read_log, tiny_train_config
 
 from unimae import trainer
-from unimae.attention import set_attention_dropout
 from unimae.config import TrainConfig, add_config_arguments, resolve_config
 from unimae.corpus import CorpusError
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.attention import set_attention_dropout
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.info_nce import info_nce
 from unimae.losses.supervised_contrastive import ContrastiveObjective

@@ -11,7 +11,7 @@ from conftest import SENTENCES
 
 from unimae.cli import main
 from unimae.disk_index import DiskIndex, DiskIndexConfig, open_index
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.index import IndexConfig, VectorIndex, VectorIndexError
 

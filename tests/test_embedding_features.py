@@ -12,8 +12,9 @@ from conftest import read_log
 from test_contrastive import _config, _method, _records, _write
 
 from unimae.adapter import adapter_meta, embedding_spec
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.encoder import Encoder, finish_embeddings
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.vectors import finish_embeddings
+from unimae.encoder import Encoder
 from unimae.losses.info_nce import info_nce
 from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import pooled_batch

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import SENTENCES
 
+from unimae.embedding.tokenization import encode_with_eos, last_token_index, pad_batch
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams
 from unimae.models import load_model
-from unimae.tokenization import encode_with_eos, last_token_index, pad_batch
 
 TEXTS = SENTENCES[:7] + ["", "   ", "short", "the"]
 

@@ -666,7 +666,7 @@ def test_default_labels_of_two_adapters_in_one_folder_differ():
 
 @needs_data
 def test_mteb_applies_the_adapters_prompts_by_its_own_rule_and_scores_prefixes(tiny_model_dirs, data_slice, tmp_path):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.evaluation.embeddings import evaluate_embeddings
 

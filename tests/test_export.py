@@ -87,7 +87,7 @@ def _adapter_with_spec(tiny_dir, directory, spec):
     ids=["mntp", "gem", "echo"],
 )
 def test_sentence_transformers_export_refuses_what_it_cannot_express(tiny_model_dirs, tmp_path, spec):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.export import export
 
     adapter = _adapter_with_spec(tiny_model_dirs["llama"], tmp_path / "adapter", EmbeddingSpec(**spec))
@@ -100,7 +100,7 @@ def test_mean_adapter_exports_mean_pooling_and_hf_card_states_the_spec(tiny_mode
     from sentence_transformers import SentenceTransformer
 
     from unimae.adapter import embedding_spec
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.export import export
 

@@ -87,7 +87,7 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
     from peft import LoraConfig, get_peft_model
 
     from unimae.adapter import base_fingerprint, write_adapter_meta
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.models import load_model
 
     model, _, _ = load_model(base)
@@ -106,7 +106,7 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
 
 def _assert_agrees(server, encoder, texts, min_cosine: float) -> None:
     """llama.cpp tokenizes like unimae, and embeds (text + EOS text, and unimae's ids) like Encoder.encode."""
-    from unimae.tokenization import encode_with_eos
+    from unimae.embedding.tokenization import encode_with_eos
 
     ours = encoder.encode(texts, normalize=True)
     ids = encode_with_eos(encoder.tokenizer, texts, encoder.max_length)
@@ -208,7 +208,7 @@ def test_gguf_export_from_a_gguf_copies_its_metadata(merged_tiny, tmp_path):
     ids=["mntp", "gem", "echo", "causal-mean"],
 )
 def test_gguf_export_refuses_what_last_token_pooling_cannot_express(tiny_model_dirs, tmp_path, spec):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.export import export
 
     base = str(tiny_model_dirs["llama"])
@@ -284,10 +284,10 @@ def test_gguf_lora_on_the_base_gguf_works_like_the_merged_export_in_llama_cpp(
 ):
     """llama.cpp applies the adapter to embeddings and generation: the base GGUF + ``--lora`` embeds like the
     merged export and unimae, and generates the merged export's greedy tokens (the base alone does neither)."""
+    from unimae.embedding.tokenization import encode_with_eos
     from unimae.encoder import Encoder
     from unimae.export import export
     from unimae.gguf_lora_export import export_gguf_lora
-    from unimae.tokenization import encode_with_eos
 
     base, adapter = merged_tiny[arch]
     lora = export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", lora_type)
@@ -310,9 +310,9 @@ def test_llama_cpp_takes_a_per_request_lora_for_completions_but_not_for_embeddin
     """What llama-server does with several adapters in one process (documented in docs/deploy.md): a request's
     ``lora`` list sets the adapter scales for a completion, but embeddings ignore it and use the global scales
     (``POST /lora-adapters``)."""
+    from unimae.embedding.tokenization import encode_with_eos
     from unimae.gguf_lora_export import export_gguf_lora
     from unimae.models import load_tokenizer
-    from unimae.tokenization import encode_with_eos
 
     base, adapter = merged_tiny["llama"]
     swapped = _server(base_gguf["llama"], lora=export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", "f32"))
@@ -394,7 +394,7 @@ def test_gguf_lora_tensors_are_the_merged_exports_deltas(merged_tiny, tmp_path, 
     ids=["mntp", "dora", "token-rows", "modules-to-save", "bias", "embedding", "tied-head"],
 )
 def test_gguf_lora_refuses_what_a_llama_cpp_adapter_cannot_express(tiny_model_dirs, tmp_path, options, message):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.gguf_lora_export import export_gguf_lora
 
     base = str(tiny_model_dirs["llama"])

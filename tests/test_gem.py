@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from unimae.adapter import load_with_adapter, quiet_peft
 from unimae.config import TrainConfig
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.methods import Context, get_method, summary_tokens
 from unimae.models import load_model

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write_json, read_json
 
 ADAPTER_META = "unimae.json"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from unimae.embedding.pooling import POOLINGS
 from unimae.files import atomic_write_json, read_json
-from unimae.pooling import POOLINGS
 from unimae.runtime.precision import PRECISIONS
 
 logger = logging.getLogger(__name__)

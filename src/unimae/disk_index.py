@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write, atomic_write_json, file_sha256
 from unimae.index import (
     FORMAT_VERSION,

@@ -8,7 +8,7 @@
   module + Pooling. For causal ``eos`` (UniMAE) it is last-token pooling with a tokenizer whose
   post-processor appends EOS after truncation, so ``SentenceTransformer(dir).encode(texts)`` gives
   unimae's ``eos`` embeddings; causal ``mean`` maps to mean pooling. An adapter whose
-  :class:`~unimae.embedding_spec.EmbeddingSpec` the format cannot express (bidirectional attention
+  :class:`~unimae.embedding.spec.EmbeddingSpec` the format cannot express (bidirectional attention
   of MNTP, GEM's summary tokens and mask, echo) is refused with a message instead of exported wrongly.
 - ``gguf``: one GGUF file for llama.cpp (``--output FILE.gguf``, ``gguf_type`` f32/f16/bf16/q8_0), pooling
   ``last``; clients append EOS (see :mod:`unimae.gguf_export`). Only causal last-token (``eos``) adapters.
@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 from unimae.adapter import ADAPTER_META, adapter_meta, adapter_revision, embedding_spec, load_with_adapter
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write_json, check_writable, writing
 
 FORMATS = ("hf", "sentence-transformers", "gguf", "gguf-lora")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write, read_json
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ import numpy as np
 from unimae.adapter import adapter_revision, model_revision
 from unimae.decoding import decode_tokens
 from unimae.disk_index import DiskIndex, open_index
-from unimae.encoder import Encoder, finish_embeddings
+from unimae.embedding.vectors import finish_embeddings
+from unimae.encoder import Encoder
 from unimae.generation import GenerationParams, GenerationResult, generate_stream
 from unimae.index import Hit, VectorIndex, VectorIndexError
 

@@ -40,7 +40,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from unimae.disk_index import DiskIndex, DiskIndexConfig
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.index import IndexConfig, VectorIndex, VectorIndexError, _shard_ok, write_shard
 
 logger = logging.getLogger(__name__)

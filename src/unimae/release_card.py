@@ -113,7 +113,7 @@ def _front_matter(name: str, meta: dict, tasks: dict[str, dict], folder: Path) -
 
 
 def _intro(name: str, meta: dict) -> str:
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
 
     spec = EmbeddingSpec.from_dict(meta.get("embedding"))
     model = meta.get("base_model", "")

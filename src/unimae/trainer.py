@@ -36,7 +36,6 @@ from unimae.adapter import (
     skip_input_upcast,
     write_adapter_meta,
 )
-from unimae.attention import set_attention_dropout
 from unimae.checkpoint import (
     DIVERGED,
     check_finite,
@@ -47,13 +46,14 @@ from unimae.checkpoint import (
     set_rng_state,
 )
 from unimae.config import TrainConfig
+from unimae.embedding.attention import set_attention_dropout
+from unimae.embedding.tokenization import choose_mask_token
 from unimae.export import save_merged
 from unimae.files import atomic_write_json, atomic_write_text, writing
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_precision, weight_dtype
-from unimae.tokenization import choose_mask_token
 
 logger = logging.getLogger(__name__)
 

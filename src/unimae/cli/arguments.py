@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from unimae.pooling import POOLINGS
+from unimae.embedding.pooling import POOLINGS
 from unimae.runtime.precision import PRECISIONS
 
 DEFAULT_MODEL = "smollm2-135m"

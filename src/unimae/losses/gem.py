@@ -24,13 +24,13 @@ import math
 import torch
 from torch import nn
 
-from unimae.attention import model_attention_mask
+from unimae.embedding.attention import model_attention_mask
+from unimae.embedding.pooling import pooled_forward
+from unimae.embedding.tokenization import position_ids_from_mask
 from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.info_nce import info_nce
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
-from unimae.pooling import pooled_forward
-from unimae.tokenization import position_ids_from_mask
 
 
 class GEMObjective(Objective):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unimae.attention import model_attention_mask
+from unimae.embedding.attention import model_attention_mask
 from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective

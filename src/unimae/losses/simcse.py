@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unimae.embedding.pooling import pooled_forward
 from unimae.losses.info_nce import info_nce
 from unimae.losses.objective import Objective
-from unimae.pooling import pooled_forward
 
 
 class SimCSEObjective(Objective):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unimae.embedding.pooling import last_hidden, pool
 from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.info_nce import info_nce
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
-from unimae.pooling import last_hidden, pool
 
 
 class ContrastiveObjective(Objective):

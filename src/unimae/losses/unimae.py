@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from unimae.batch import Batch
+from unimae.embedding.tokenization import last_token_index
 from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.mrc import MRCLoss, TinyDecoder
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
-from unimae.tokenization import last_token_index
 
 # Where h_eos comes from: the MAR-corrupted pass (Eq. 2, one forward) or a second pass over the clean text.
 MRC_INPUTS = ("corrupted", "clean")

@@ -22,8 +22,8 @@ import torch
 
 from unimae.batch import Batch
 from unimae.corpus import load_texts
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.tokenization import pad_batch
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import pad_batch
 
 if TYPE_CHECKING:
     from unimae.config import TrainConfig

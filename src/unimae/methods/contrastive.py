@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.methods.base import Context, Method, pooled_batch
 from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling

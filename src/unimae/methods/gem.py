@@ -33,13 +33,13 @@ import math
 import torch
 
 from unimae.batch import Batch
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.pooling import PooledInput
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import encode_with_eos, spare_special_tokens
 from unimae.masking import example_generator
 from unimae.methods.base import Method, has_bos, pad_right
 from unimae.methods.registry import register_method
 from unimae.models import grow_vocabulary
-from unimae.pooling import PooledInput
-from unimae.tokenization import encode_with_eos, spare_special_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Trains (and embeds with) the ``--init-adapter``'s spec, e.g. causal ``eos`` afte
 
 from __future__ import annotations
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.methods.base import Method, ViewDropoutMixin, pooled_batch
 from unimae.methods.registry import register_method
 

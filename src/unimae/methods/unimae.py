@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import encode_with_eos
 from unimae.masking import UniMAECollator
 from unimae.methods.base import Method
 from unimae.methods.registry import register_method
-from unimae.tokenization import encode_with_eos
 
 
 @register_method

@@ -22,10 +22,10 @@ import numpy as np
 from fastapi import Depends, Request
 
 from unimae.decoding import decode_tokens, warm_up
+from unimae.embedding.pooling import PooledInput
 from unimae.encoder import Encoder
 from unimae.generation import GenerationParams
 from unimae.index import VectorIndex
-from unimae.pooling import PooledInput
 from unimae.rag import RAG
 from unimae.runtime.memory import release_free_memory
 from unimae.serving.batcher import DynamicBatcher
