@@ -102,8 +102,9 @@ class Unimae:
             self.scheduler.start()
 
     def run(self, ids: list[int], new_tokens: int) -> Run:
-        from unimae.decoding import decode_tokens
-        from unimae.generation import GenerationParams, GenerationResult, generate_stream
+        from unimae.generation.decoding import decode_tokens
+        from unimae.generation.sampling import GenerationParams
+        from unimae.generation.stream import GenerationResult, generate_stream
 
         params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
         decode = self.scheduler.decode if self.scheduler is not None else decode_tokens

@@ -50,7 +50,7 @@ def repetition(text: str) -> dict[str, float]:
 def score(model: str, adapter: str | None, precision: str, new_tokens: int) -> dict:
     """The setup's continuations and their mean repetition measures."""
     from unimae.encoder import Encoder
-    from unimae.generation import GenerationParams
+    from unimae.generation.sampling import GenerationParams
 
     encoder = Encoder.from_pretrained(model, adapter=adapter, precision=precision)
     params = GenerationParams(max_new_tokens=new_tokens)

@@ -74,7 +74,8 @@ class TorchEngine:
         return self.encoder.encode(sentences, batch_size=self.batch_size, normalize=True, show_progress=False)
 
     def decode(self, prompt_ids: list[int], tokens: int) -> dict:
-        from unimae.generation import GenerationParams, generate_text
+        from unimae.generation.sampling import GenerationParams
+        from unimae.generation.stream import generate_text
 
         encoder = self.encoder
         tic = time.perf_counter()

@@ -295,7 +295,8 @@ def rag_worker(mode: str, args) -> dict:
 
     from unimae.corpus import load_passages
     from unimae.encoder import Encoder
-    from unimae.generation import GenerationParams, generate_text
+    from unimae.generation.sampling import GenerationParams
+    from unimae.generation.stream import generate_text
     from unimae.index import IndexConfig, VectorIndex
     from unimae.rag import RAG, prompt_tail
 

@@ -97,7 +97,7 @@ def main() -> None:
     args = parse_args()
     from unimae.corpus import load_passages
     from unimae.encoder import Encoder
-    from unimae.generation import GenerationParams
+    from unimae.generation.sampling import GenerationParams
     from unimae.index import VectorIndex
     from unimae.rag import RAG, RAGConfig
 

@@ -243,7 +243,7 @@ def test_quantized_indexes_find_each_passage_and_say_their_size(tiny_model_dirs,
 def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_model_dirs, tmp_path):
     from test_rag import PASSAGES
 
-    from unimae.generation import GenerationParams
+    from unimae.generation.sampling import GenerationParams
     from unimae.index import IndexConfig, VectorIndex
     from unimae.rag import RAG
 

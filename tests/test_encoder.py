@@ -7,7 +7,7 @@ from conftest import SENTENCES
 
 from unimae.embedding.tokenization import encode_with_eos, last_token_index, pad_batch
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams
+from unimae.generation.sampling import GenerationParams
 from unimae.models import load_model
 
 TEXTS = SENTENCES[:7] + ["", "   ", "short", "the"]

@@ -10,7 +10,7 @@ from conftest import SENTENCES
 
 from unimae.corpus import CorpusError, load_passages
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams
+from unimae.generation.sampling import GenerationParams
 from unimae.index import IndexConfig, VectorIndex, VectorIndexError
 from unimae.rag import RAG
 

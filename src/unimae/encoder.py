@@ -25,8 +25,9 @@ from unimae.embedding.pooling import PooledInput, pool
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
 from unimae.embedding.vectors import finish_embeddings
-from unimae.generation import GenerationParams, generate_text
-from unimae.kv_cache import returned_cache
+from unimae.generation.kv_cache import returned_cache
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import generate_text
 from unimae.release import resolve_adapter
 from unimae.runtime.memory import tune_allocator
 from unimae.runtime.precision import autocast, default_device, resolve_precision, weight_dtype

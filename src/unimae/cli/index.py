@@ -147,7 +147,7 @@ def _build_on_ray(args: argparse.Namespace, passages: list, config, source: dict
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from unimae.generation import GenerationParams
+    from unimae.generation.sampling import GenerationParams
     from unimae.rag import RAG, RAGAnswer, RAGConfig, load_index_and_encoder
 
     question = utf8_argument(args.question, "the question")

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from unimae.generation import GenerationParams
+from unimae.generation.sampling import GenerationParams
 from unimae.index import Hit
 from unimae.rag import RAGAnswer, passages_json
 from unimae.serving.schemas import APIError, RAGRequest, parse_request

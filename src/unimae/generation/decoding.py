@@ -23,10 +23,8 @@ each layer. :func:`decode_tokens` keeps what a step needs:
 
 Greedy output is token-identical to ``model.generate(do_sample=False)`` (tests/test_generation.py, fp32
 on Llama, Gemma3 and Qwen2, with and without LoRA and a prefix cache; in bf16 where oneDNN runs it, against
-``generate`` with its one-query attention in fp32 too).
-Sampling divides by the temperature, keeps the smallest set of tokens whose probability reaches
-``top_p`` (as transformers' ``TopPLogitsWarper``) and draws from a ``torch.Generator`` seeded with
-``params.seed``: a seeded request is reproducible and leaves the global RNG alone.
+``generate`` with its one-query attention in fp32 too). The next token is picked by
+:func:`~unimae.generation.sampling.pick_token` (greedy, or a seeded temperature / top-p draw).
 """
 
 from __future__ import annotations
@@ -37,26 +35,15 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from unimae.kv_cache import (  # noqa: F401  (PreallocatedLayer, reusable_prefix, start_cache: re-exported)
-    KVPool,
-    PreallocatedLayer,
-    attend_rows,
-    preallocated,
-    reusable_prefix,
-    start_cache,
-    with_cache,
-)
+from unimae.generation.kv_cache import KVPool, attend_rows, preallocated, reusable_prefix, start_cache, with_cache
+from unimae.generation.sampling import GenerationParams, pick_token
 from unimae.runtime.precision import autocast
-
-if TYPE_CHECKING:
-    from unimae.generation import GenerationParams
-
 
 _DECODING = threading.local()  # .packed: this thread runs a bf16 decode step (see packed_linears)
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first nn.Linear of a group -> {ids: entry}
@@ -230,7 +217,7 @@ class LlamaStep:
     and position bookkeeping, attention dispatch). This loop runs the same operations on the same
     modules, in the same order and dtypes, so at B = 1 its logits equal ``model(...)``'s bit for bit in
     fp32 (tests check token identity; a bf16 step attends in fp32, see
-    :func:`~unimae.kv_cache.one_query_attention`): the
+    :func:`~unimae.generation.kv_cache.one_query_attention`): the
     embedding, rotary, norm and activation modules and any LoRA wrapper are called as they are; plain
     ``nn.Linear`` weights are applied directly (stacked q/k/v and gate/up on a packed step); RoPE is
     ``q cos + rotate_half(q) sin`` (as :func:`_rope` computes it, on queries and keys at once) and attention
@@ -241,8 +228,8 @@ class LlamaStep:
     cache of its own length, no padding. Every projection (q/k/v, o, gate/up, down, LoRA included, and the
     LM head) runs once on the stacked (B, 1, D) rows: a 135M model's step is bound by reading its weights,
     so B rows cost about what one costs. RoPE takes each row's own position. Attention: rows whose caches are
-    slots of ``pool`` (:class:`~unimae.kv_cache.KVPool`, ordered by slot, as :meth:`Decoder.step` passes them)
-    write their keys and attend in one call per layer, each row masked to its own length; otherwise row by
+    slots of ``pool`` (:class:`~unimae.generation.kv_cache.KVPool`, ordered by slot, as :meth:`Decoder.step` passes
+    them) write their keys and attend in one call per layer, each row masked to its own length; otherwise row by
     row over each row's cache. A row's logits equal its B = 1 logits up to the rounding of a B-row matrix
     product against a one-row one and of a masked attention over a longer span (tests: greedy tokens
     identical in fp32).
@@ -328,21 +315,6 @@ def eos_token_ids(model, tokenizer) -> set[int]:
         if source is not None:
             ids.update(source if isinstance(source, list | tuple) else [source])
     return ids
-
-
-def pick_token(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> int:
-    """The next token from last-position ``logits`` (1, V): argmax, or a temperature / top-p draw."""
-    scores = logits.float()  # (1, V)
-    if params.temperature == 0:
-        return int(scores.argmax(-1))
-    # shifted so the top score is 0 before dividing: a tiny temperature then gives -inf scores, never inf - inf
-    scores = (scores - scores.max(-1, keepdim=True).values) / params.temperature
-    if params.top_p < 1:
-        ordered, order = torch.sort(scores, descending=False)  # (1, V) ascending
-        drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
-        drop[..., -1] = False  # keep at least the most likely token
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
 
 
 @dataclass(eq=False)
@@ -549,8 +521,6 @@ def warm_up(model, precision: str) -> None:
     """Make what the first generation would make (oneDNN-packed bf16 weights, about the bf16 weights' size,
     0.1-1 s for a 135M model), so the first request does not pay for it; ``ServerState.build`` calls it.
     A no-op in fp32."""
-    from unimae.generation import GenerationParams
-
     if precision == "bf16" and packed_supported(next(model.parameters()).device):
         for _ in decode_tokens(model, [0], GenerationParams(max_new_tokens=2), set(), precision):
             pass
