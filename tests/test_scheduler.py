@@ -17,7 +17,8 @@ import torch
 from conftest import SENTENCES
 
 from unimae.encoder import Encoder
-from unimae.generation.decoding import decode_tokens, eos_token_ids, packed_supported
+from unimae.generation.decoding import decode_tokens, eos_token_ids
+from unimae.generation.fast_path import packed_supported
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import GenerationResult, generate_stream, generate_text
 from unimae.models import load_model
