@@ -52,7 +52,7 @@ def scifact(data_dir: Path) -> tuple[list[tuple[str, str]], dict[str, str], dict
 
 def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[int]]:
     """(held-out passages, questions, the index of each question's own passage), as the RAG benchmark draws them."""
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
 
     passages = load_passages("enwiki-gensim:heldout")
     chosen = random.Random(0).sample(range(len(passages)), count)

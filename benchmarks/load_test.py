@@ -293,7 +293,7 @@ def rag_worker(mode: str, args) -> dict:
     """One RAG setup in this process: 'one' (the LLM embeds and answers) or 'two' (MiniLM + the same LLM)."""
     import numpy as np
 
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
     from unimae.encoder import Encoder
     from unimae.generation.sampling import GenerationParams
     from unimae.generation.stream import generate_text

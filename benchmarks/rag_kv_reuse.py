@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
     from unimae.encoder import Encoder
     from unimae.generation.sampling import GenerationParams
     from unimae.index import VectorIndex

@@ -112,7 +112,7 @@ def cpu() -> dict:
 
 def embed_part(args: argparse.Namespace, work: Path) -> dict:
     """Single process vs Ray, at P and 2P passages: seconds, passages/s, ratios, per-worker throughput."""
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
     from unimae.index import IndexConfig
     from unimae.ray_index import EncoderLoad
 

@@ -9,9 +9,9 @@ import json
 
 import torch
 
-from unimae.corpus import load_texts
+from unimae.data.corpus import load_texts
 from unimae.losses.unimae import UniMAEObjective
-from unimae.masking import UniMAECollator
+from unimae.data.masking import UniMAECollator
 from unimae.models import load_model
 from unimae.embedding.tokenization import choose_mask_token, encode_with_eos, last_token_index
 

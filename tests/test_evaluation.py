@@ -409,7 +409,7 @@ def test_generation_suite_matches_hand_computed_scores_of_a_uniform_model(unifor
 
     from transformers import AutoTokenizer
 
-    from unimae.corpus import enwiki_gensim_paragraphs
+    from unimae.data.corpus import enwiki_gensim_paragraphs
     from unimae.evaluation.generation import GENERATION_TASKS, HEADLINE_METRIC, evaluate_generation
 
     limit = 3

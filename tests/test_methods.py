@@ -10,7 +10,7 @@ from conftest import SENTENCES, read_log, tiny_train_config
 
 from unimae.adapter import adapter_meta
 from unimae.config import TrainConfig, add_config_arguments
-from unimae.corpus import CorpusError
+from unimae.data.corpus import CorpusError
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.losses.objective import Objective

@@ -4,9 +4,9 @@ import torch
 from conftest import SENTENCES
 from peft import LoraConfig, get_peft_model
 
+from unimae.data.masking import UniMAECollator
 from unimae.embedding.tokenization import choose_mask_token, encode_with_eos
 from unimae.losses import UniMAEObjective
-from unimae.masking import UniMAECollator
 from unimae.models import load_model
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import SENTENCES
 
-from unimae.corpus import CorpusError, load_passages
+from unimae.data.corpus import CorpusError, load_passages
 from unimae.encoder import Encoder
 from unimae.generation.sampling import GenerationParams
 from unimae.index import IndexConfig, VectorIndex, VectorIndexError

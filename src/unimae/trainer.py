@@ -46,6 +46,7 @@ from unimae.checkpoint import (
     set_rng_state,
 )
 from unimae.config import TrainConfig
+from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
 from unimae.export import save_merged
@@ -56,22 +57,6 @@ from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocat
 from unimae.runtime.precision import autocast, resolve_precision, weight_dtype
 
 logger = logging.getLogger(__name__)
-
-
-class DataOrder:
-    """Example order as a pure function of (seed, global example index): epochs reshuffle."""
-
-    def __init__(self, num_texts: int, seed: int):
-        self.num_texts = num_texts
-        self.seed = seed
-        self._perms: dict[int, list[int]] = {}
-
-    def text_index(self, example: int) -> int:
-        epoch, offset = divmod(example, self.num_texts)
-        if epoch not in self._perms:
-            gen = torch.Generator().manual_seed(self.seed + 7919 * epoch)
-            self._perms[epoch] = torch.randperm(self.num_texts, generator=gen).tolist()
-        return self._perms[epoch][offset]
 
 
 @dataclass

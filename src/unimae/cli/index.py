@@ -86,7 +86,7 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
 
 def _index(args: argparse.Namespace) -> int:
     from unimae.adapter import adapter_revision, model_revision
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
 
     config = _index_config(args)
     passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)

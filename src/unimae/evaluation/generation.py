@@ -51,7 +51,7 @@ def check_generation_data(data_dir: Path | None, tasks: list[str]) -> None:
 
 def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) -> Path:
     """Render the task YAMLs with absolute data paths into ``target`` (an lm-eval include_path)."""
-    from unimae.corpus import enwiki_gensim_paragraphs
+    from unimae.data.corpus import enwiki_gensim_paragraphs
 
     target.mkdir(parents=True, exist_ok=True)
     heldout = target / "wiki_heldout.jsonl"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unimae.batch import Batch
+from unimae.data.batch import Batch
 from unimae.embedding.tokenization import last_token_index
 from unimae.losses.cross_entropy import logit_softcap
 from unimae.losses.mrc import MRCLoss, TinyDecoder
@@ -33,7 +33,7 @@ class UniMAEObjective(Objective):
     """Holds the (LoRA-wrapped) LLM and the MRC loss, so DDP/FSDP wrap one module.
 
     forward(batch) -> {"loss", "mar", "mrc"} scalars; batch: input_ids, corrupted_ids, attention_mask
-    (B, T) and mrc_visible (B, T, T + 1) from :class:`~unimae.masking.UniMAECollator`.
+    (B, T) and mrc_visible (B, T, T + 1) from :class:`~unimae.data.masking.UniMAECollator`.
     """
 
     def __init__(

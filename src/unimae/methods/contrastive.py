@@ -4,7 +4,7 @@ In-batch negatives plus the hard negatives of the batch, without the batch's kno
 (``--mask-false-negatives``); ``--symmetric-loss`` adds the positive -> queries direction; ``--lm-weight``
 adds a next-token loss on the positives (GritLM's joint objective), so that the adapter keeps generating.
 ``--data`` takes several files (or a mixture file) with ``--data-weights``; every global batch is drawn from one source
-(:mod:`unimae.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
+(:mod:`unimae.data.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
 so large batches fit in memory. Trains (and embeds with) the ``--init-adapter``'s spec, as SimCSE does:
 causal attention and the [EOS] state after UniMAE, so generation and KV reuse are unchanged.
 
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.methods.base import Context, Method, pooled_batch
 from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling
-from unimae.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
 
 if TYPE_CHECKING:
     from unimae.config import TrainConfig

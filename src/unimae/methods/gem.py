@@ -32,11 +32,11 @@ import math
 
 import torch
 
-from unimae.batch import Batch
+from unimae.data.batch import Batch
+from unimae.data.masking import example_generator
 from unimae.embedding.pooling import PooledInput
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos, spare_special_tokens
-from unimae.masking import example_generator
 from unimae.methods.base import Method, has_bos, pad_right
 from unimae.methods.registry import register_method
 from unimae.models import grow_vocabulary

@@ -5,10 +5,10 @@ Embeds with bidirectional attention and ``mean`` pooling.
 
 from __future__ import annotations
 
-from unimae.batch import Batch
+from unimae.data.batch import Batch
+from unimae.data.masking import example_generator, mar_corrupt
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos
-from unimae.masking import example_generator, mar_corrupt
 from unimae.methods.base import Method, pad_right
 from unimae.methods.registry import register_method
 

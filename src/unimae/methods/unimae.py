@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from unimae.data.masking import UniMAECollator
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos
-from unimae.masking import UniMAECollator
 from unimae.methods.base import Method
 from unimae.methods.registry import register_method
 
 
 @register_method
 class UniMAE(Method):
-    """Batches: :class:`~unimae.masking.UniMAECollator` (MAR-corrupted ids and the MRC key mask)."""
+    """Batches: :class:`~unimae.data.masking.UniMAECollator` (MAR-corrupted ids and the MRC key mask)."""
 
     name = "unimae"
 

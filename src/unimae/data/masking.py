@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unimae.batch import Batch
+from unimae.data.batch import Batch
 from unimae.embedding.tokenization import pad_batch
 
 
