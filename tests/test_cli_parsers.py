@@ -9,12 +9,12 @@ import pytest
 from conftest import SENTENCES
 
 from unimae.cli import build_parser, main
-from unimae.config import method_names
 from unimae.embedding.attention import ATTENTION_RULES
 from unimae.embedding.pooling import POOLINGS
 from unimae.export import FORMATS
 from unimae.index import INDEX_KINDS, VectorIndexError
 from unimae.runtime.precision import PRECISIONS
+from unimae.training.config import method_names
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
 

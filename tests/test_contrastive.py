@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from conftest import SENTENCES, read_log, tiny_train_config
 
-from unimae.config import TrainConfig, add_config_arguments, resolve_config
 from unimae.data.corpus import CorpusError
 from unimae.data.order import DataOrder
 from unimae.data.pairs import SourceBatchOrder, load_mixture, pair_groups
@@ -24,7 +23,8 @@ from unimae.losses.info_nce import info_nce
 from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods import Context, get_method
 from unimae.models import load_model
-from unimae.trainer import train
+from unimae.training.config import TrainConfig, add_config_arguments, resolve_config
+from unimae.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

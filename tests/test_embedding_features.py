@@ -20,7 +20,7 @@ from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import pooled_batch
 from unimae.methods.contrastive import parse_dims
 from unimae.models import load_model
-from unimae.trainer import train
+from unimae.training.trainer import train
 
 QUERY = "Instruct: find the passage\nQuery: "
 

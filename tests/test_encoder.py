@@ -80,8 +80,8 @@ def test_unmerged_bf16_adapter_skips_peft_upcast_with_identical_embeddings(tiny_
     """Encoder (bf16, unmerged LoRA) turns off peft's per-layer fp32 input cast: bit-identical embeddings."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from unimae.config import TrainConfig
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     tiny = tiny_model_dirs["llama"]
     config = TrainConfig(

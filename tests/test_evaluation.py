@@ -563,9 +563,9 @@ def test_generation_without_data_dir_is_a_clear_error(tiny_model_dirs, tmp_path)
 
 @needs_data
 def test_compare_writes_both_tables_and_figures(tiny_model_dirs, corpus_file, data_slice, tmp_path):
-    from unimae.config import TrainConfig
     from unimae.evaluation.compare import CompareConfig, run_compare
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     tiny = tiny_model_dirs["llama"]
     adapter = train(

@@ -19,9 +19,9 @@ def real_cache(monkeypatch):
 
 
 def test_train_a_few_steps_of_real_smollm2(real_cache, tmp_path):
-    from unimae.config import TrainConfig
     from unimae.encoder import Encoder
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     config = TrainConfig(
         output_dir=str(tmp_path / "run"), steps=2, batch_size=4, micro_batch_size=2, max_length=48, save_every=1

@@ -9,14 +9,14 @@ import torch
 from conftest import SENTENCES, read_log, tiny_train_config
 
 from unimae.adapter import adapter_meta
-from unimae.config import TrainConfig, add_config_arguments
 from unimae.data.corpus import CorpusError
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.losses.objective import Objective
 from unimae.methods import METHOD_REGISTRY, Context, Method, get_method, load_pairs, summary_tokens
 from unimae.models import load_model
-from unimae.trainer import train
+from unimae.training.config import TrainConfig, add_config_arguments
+from unimae.training.trainer import train
 
 
 def _config(tiny_dir, data, out, **overrides):

@@ -6,12 +6,12 @@ import signal
 import pytest
 import torch
 
-from unimae import trainer
-from unimae.checkpoint import CheckpointError, checkpoint_dir
-from unimae.config import TrainConfig
 from unimae.data.order import DataOrder
 from unimae.encoder import Encoder
-from unimae.trainer import train
+from unimae.training import trainer
+from unimae.training.checkpoint import CheckpointError, checkpoint_dir
+from unimae.training.config import TrainConfig
+from unimae.training.trainer import train
 
 
 def _config(tiny_dir, corpus_file, out, **overrides):

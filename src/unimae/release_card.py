@@ -15,9 +15,9 @@ import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from unimae.config import TrainConfig
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
+from unimae.training.config import TrainConfig
 
 # The base models of the offline short names: the Hugging Face ids and licences a card names.
 BASE_MODELS = {

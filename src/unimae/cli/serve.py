@@ -17,8 +17,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
-from unimae.config import add_dataclass_arguments
 from unimae.serving.config import ServerConfig, check_api_key
+from unimae.training.config import add_dataclass_arguments
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
 
 if TYPE_CHECKING:
-    from unimae.config import TrainConfig
     from unimae.losses.objective import Objective
+    from unimae.training.config import TrainConfig
 
 
 @dataclass

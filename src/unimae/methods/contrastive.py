@@ -30,7 +30,7 @@ from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling
 
 if TYPE_CHECKING:
-    from unimae.config import TrainConfig
+    from unimae.training.config import TrainConfig
 
 __all__ = ["Contrastive", "load_pairs"]
 

@@ -31,21 +31,12 @@ from unimae.adapter import (
     adapter_meta,
     attach_adapter,
     base_fingerprint,
+    check_finite,
     embedding_spec,
     quiet_peft,
     skip_input_upcast,
     write_adapter_meta,
 )
-from unimae.checkpoint import (
-    DIVERGED,
-    check_finite,
-    checkpoint_dir,
-    load_latest_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from unimae.config import TrainConfig
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
@@ -55,6 +46,15 @@ from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_precision, weight_dtype
+from unimae.training.checkpoint import (
+    DIVERGED,
+    checkpoint_dir,
+    load_latest_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from unimae.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
