@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # isort: off
-import unimae  # noqa: F401  (first: sets the OpenMP wait policy before torch loads, see unimae.threads)
+import unimae  # noqa: F401  (first: sets the OpenMP wait policy before torch loads, see unimae.runtime.threads)
 import torch
 
 # isort: on

@@ -60,7 +60,7 @@ def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[in
 
 
 def build(encoder, passages, kind: str, dims: int | None, folder: Path):
-    from unimae.index import IndexConfig, VectorIndex
+    from unimae.retrieval.index import IndexConfig, VectorIndex
 
     return VectorIndex.build(encoder, passages, folder, IndexConfig(kind=kind, dimensions=dims or None))
 

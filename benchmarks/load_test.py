@@ -297,8 +297,8 @@ def rag_worker(mode: str, args) -> dict:
     from unimae.encoder import Encoder
     from unimae.generation.sampling import GenerationParams
     from unimae.generation.stream import generate_text
-    from unimae.index import IndexConfig, VectorIndex
-    from unimae.rag import RAG, prompt_tail
+    from unimae.retrieval.index import IndexConfig, VectorIndex
+    from unimae.retrieval.rag import RAG, prompt_tail
 
     passages = load_passages("enwiki-gensim:heldout")
     rng = random.Random(0)

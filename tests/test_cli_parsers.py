@@ -1,5 +1,5 @@
 """The command line's parsers (help pages, choices from the registries), input and API-key handling, and
-``unimae.rag.load_index_and_encoder`` (the library side of ``ask`` / ``serve --index``)."""
+``unimae.retrieval.rag.load_index_and_encoder`` (the library side of ``ask`` / ``serve --index``)."""
 
 import argparse
 import logging
@@ -12,7 +12,7 @@ from unimae.cli import build_parser, main
 from unimae.embedding.attention import ATTENTION_RULES
 from unimae.embedding.pooling import POOLINGS
 from unimae.export import FORMATS
-from unimae.index import INDEX_KINDS, VectorIndexError
+from unimae.retrieval.index import INDEX_KINDS, VectorIndexError
 from unimae.runtime.precision import PRECISIONS
 from unimae.training.config import method_names
 
@@ -167,7 +167,7 @@ def mean_index(tiny_model_dirs, tmp_path):
     from unimae.adapter import adapter_revision
     from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
 
     tiny = tiny_model_dirs["llama"]
     spec = EmbeddingSpec(attention="bidirectional", pooling="mean")
@@ -181,7 +181,7 @@ def mean_index(tiny_model_dirs, tmp_path):
 
 
 def test_load_index_and_encoder_embeds_queries_as_the_index_was_built(mean_index):
-    from unimae.rag import RAG, load_index_and_encoder
+    from unimae.retrieval.rag import RAG, load_index_and_encoder
 
     index_dir, _, _ = mean_index
     encoder, index = load_index_and_encoder(index_dir, precision="fp32")
@@ -193,7 +193,7 @@ def test_load_index_and_encoder_embeds_queries_as_the_index_was_built(mean_index
 
 
 def test_load_index_and_encoder_refuses_another_adapter_revision(mean_index, tmp_path, capsys):
-    from unimae.rag import load_index_and_encoder
+    from unimae.retrieval.rag import load_index_and_encoder
 
     index_dir, _, other = mean_index
     with pytest.raises(VectorIndexError, match="adapter revision"):

@@ -229,7 +229,7 @@ def test_server_input_type_and_dimensions(tiny_model_dirs):
 def test_quantized_indexes_find_each_passage_and_say_their_size(tiny_model_dirs, tmp_path, kind):
     from test_rag import PASSAGES
 
-    from unimae.index import IndexConfig, VectorIndex
+    from unimae.retrieval.index import IndexConfig, VectorIndex
 
     enc = _encoder(tiny_model_dirs["llama"])
     VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(kind=kind, shard_size=5))
@@ -244,8 +244,8 @@ def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_m
     from test_rag import PASSAGES
 
     from unimae.generation.sampling import GenerationParams
-    from unimae.index import IndexConfig, VectorIndex
-    from unimae.rag import RAG
+    from unimae.retrieval.index import IndexConfig, VectorIndex
+    from unimae.retrieval.rag import RAG
 
     enc = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY, "document": "passage: "}, matryoshka_dims=(8,))
     index = VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(dimensions=8))

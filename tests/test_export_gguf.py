@@ -481,7 +481,7 @@ def llamacpp_app(merged_tiny, tmp_path_factory):
     from unimae.adapter import adapter_revision
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
     from unimae.serving.config import ServerConfig
     from unimae.serving.llamacpp_engine import LlamaCppModel, create_llamacpp_app
 
@@ -547,7 +547,7 @@ def test_llamacpp_engine_rag_retrieves_like_the_index(llamacpp_app):
 
 
 def test_llamacpp_engine_refuses_an_index_of_another_adapter(llamacpp_app):
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
     from unimae.serving.config import ServerConfig
     from unimae.serving.llamacpp_engine import create_llamacpp_app
 

@@ -91,8 +91,8 @@ def test_corrupt_gguf_cache_is_rebuilt(tmp_path, monkeypatch):
 def test_real_model_rag_reuses_the_query_cache_without_changing_the_answer(smollm2_encoder, tmp_path):
     from unimae.data.corpus import load_passages
     from unimae.generation.sampling import GenerationParams
-    from unimae.index import VectorIndex
-    from unimae.rag import RAG
+    from unimae.retrieval.index import VectorIndex
+    from unimae.retrieval.rag import RAG
 
     passages = load_passages("enwiki-gensim:heldout")[:40]
     rag = RAG(smollm2_encoder, VectorIndex.build(smollm2_encoder, passages, tmp_path / "index"))

@@ -26,7 +26,7 @@ import pytest
 from conftest import SENTENCES
 
 from unimae.encoder import Encoder
-from unimae.index import VectorIndex
+from unimae.retrieval.index import VectorIndex
 
 openai = pytest.importorskip("openai")
 KEY = "test-key"
@@ -37,7 +37,7 @@ GATED_SERVE = """
 import sys
 
 from unimae.cli import main
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 
 forward, gate_open = EmbeddingSpec.forward, False
 

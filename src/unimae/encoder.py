@@ -209,7 +209,7 @@ class Encoder:
         """Embed one text and keep the forward pass's KV cache: (vector (D,), input ids, cache).
 
         The ids are exactly what :meth:`encode` feeds the model (the prompt's tokens included), so a generation
-        prompt that starts with them can reuse the cache as its prefix (``unimae.rag``). The vector equals
+        prompt that starts with them can reuse the cache as its prefix (``unimae.retrieval.rag``). The vector equals
         ``encode([text], prompt_name=prompt_name)[0]``.
         """
         if self.attention != "causal":

@@ -4,7 +4,7 @@ One code path serves ``Encoder.generate``, ``unimae ask`` and the server's compl
 ``generate_stream`` runs the token loop of :mod:`unimae.generation.decoding` (prefill, then one forward per
 token) in the caller's thread and yields text pieces as tokens come, then a :class:`GenerationResult`;
 ``generate_text`` collects it. A prefix ``past_key_values`` (e.g. the KV cache of the query's embedding
-pass, see ``unimae.rag``) is copied into the generation's cache, so only the uncached tail of the prompt
+pass, see ``unimae.retrieval.rag``) is copied into the generation's cache, so only the uncached tail of the prompt
 is prefilled.
 
 Greedy output is token-identical to ``model.generate(do_sample=False)`` in fp32 (tests/test_generation.py).

@@ -25,8 +25,8 @@ from unimae.embedding.pooling import PooledInput
 from unimae.encoder import Encoder
 from unimae.generation.decoding import decode_tokens, warm_up
 from unimae.generation.sampling import GenerationParams
-from unimae.index import VectorIndex
-from unimae.rag import RAG
+from unimae.retrieval.index import VectorIndex
+from unimae.retrieval.rag import RAG
 from unimae.runtime.memory import release_free_memory
 from unimae.serving.batcher import DynamicBatcher
 from unimae.serving.config import ServerConfig

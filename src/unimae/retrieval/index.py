@@ -9,7 +9,7 @@ Layout of an index folder::
     index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
 
 Passages are embedded as documents (the adapter's ``document`` prompt, if it has one; queries are embedded with
-its ``query`` prompt by :mod:`unimae.rag`). ``dimensions`` builds the index over the first k coordinates
+its ``query`` prompt by :mod:`unimae.retrieval.rag`). ``dimensions`` builds the index over the first k coordinates
 (re-normalised; for an adapter trained with Matryoshka dimensions). Index kinds and memory per vector (D dims):
 
 =======  ===================================================================  ==============

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from unimae.adapter import adapter_revision, model_revision
-from unimae.disk_index import DiskIndex, open_index
 from unimae.embedding.vectors import finish_embeddings
 from unimae.encoder import Encoder
 from unimae.generation.decoding import decode_tokens
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import GenerationResult, generate_stream
-from unimae.index import Hit, VectorIndex, VectorIndexError
+from unimae.retrieval.disk_index import DiskIndex, open_index
+from unimae.retrieval.index import Hit, VectorIndex, VectorIndexError
 
 logger = logging.getLogger(__name__)
 
