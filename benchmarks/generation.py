@@ -18,7 +18,7 @@ the same length) after a ~120-token prompt:
 
 unimae: ``Encoder.from_pretrained(--model)`` at ``--precision`` (auto: bf16 where the CPU has it, with its
 bf16 weights; fp32 otherwise). llama.cpp: the model's own GGUF (Q4_1 for smollm2-135m) and, where
-``unimae.gguf_export`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
+``unimae.export.gguf`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
 ``$UNIMAE_CACHE/gguf``). The comparison entry ``llama.cpp`` is the f16 file (16-bit weights like unimae's
 bf16) when there is one; every type is reported under ``generation_benchmark.llama_cpp_by_type``. Engines
 alternate within each of ``--repeats`` rounds after one warm-up each; medians are reported, and the
@@ -285,14 +285,14 @@ def gguf_file_type(path: Path) -> str:
 
 def build_ggufs(model: str, types: list[str]) -> dict[str, Path]:
     """{type: GGUF path}: the model's own GGUF (under its type, e.g. q4_1) and the f16/q8_0 files
-    ``unimae.gguf_export`` writes from the same weights (cached; skipped with a warning if it cannot)."""
+    ``unimae.export.gguf`` writes from the same weights (cached; skipped with a warning if it cannot)."""
     from unimae.models import cache_root, load_model
 
     found: dict[str, Path] = {}
     try:
-        from unimae.gguf_export import source_gguf, write_gguf
+        from unimae.export.gguf import source_gguf, write_gguf
     except ImportError as err:
-        logging.warning("no unimae.gguf_export (%s): only the model's own GGUF is compared", err)
+        logging.warning("no unimae.export.gguf (%s): only the model's own GGUF is compared", err)
         source_gguf, write_gguf = None, None
     source = source_gguf(model) if source_gguf else None
     if source is not None:

@@ -43,7 +43,7 @@ PROMPT = [{"role": "user", "content": "Write a long story about a dragon who lea
 def export_all(args: argparse.Namespace) -> dict[str, Path]:
     """{type: GGUF path}, exporting what ``--gguf-dir`` does not hold yet."""
     from unimae.export import export
-    from unimae.gguf_export import source_gguf
+    from unimae.export.gguf import source_gguf
 
     args.gguf_dir.mkdir(parents=True, exist_ok=True)
     paths = {}

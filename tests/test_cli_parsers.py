@@ -11,7 +11,7 @@ from conftest import SENTENCES
 from unimae.cli import build_parser, main
 from unimae.embedding.attention import ATTENTION_RULES
 from unimae.embedding.pooling import POOLINGS
-from unimae.export import FORMATS
+from unimae.export.base import FORMATS
 from unimae.retrieval.index import INDEX_KINDS, VectorIndexError
 from unimae.runtime.precision import PRECISIONS
 from unimae.training.config import method_names

@@ -287,7 +287,7 @@ def test_gguf_lora_on_the_base_gguf_works_like_the_merged_export_in_llama_cpp(
     from unimae.embedding.tokenization import encode_with_eos
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
 
     base, adapter = merged_tiny[arch]
     lora = export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", lora_type)
@@ -311,7 +311,7 @@ def test_llama_cpp_takes_a_per_request_lora_for_completions_but_not_for_embeddin
     ``lora`` list sets the adapter scales for a completion, but embeddings ignore it and use the global scales
     (``POST /lora-adapters``)."""
     from unimae.embedding.tokenization import encode_with_eos
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
     from unimae.models import load_tokenizer
 
     base, adapter = merged_tiny["llama"]
@@ -349,7 +349,7 @@ def test_gguf_lora_tensors_are_the_merged_exports_deltas(merged_tiny, tmp_path, 
     from gguf import GGUFReader
 
     from unimae.export import export
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
 
     base, adapter = merged_tiny["llama"]
     if stages == "two":
@@ -395,7 +395,7 @@ def test_gguf_lora_tensors_are_the_merged_exports_deltas(merged_tiny, tmp_path, 
 )
 def test_gguf_lora_refuses_what_a_llama_cpp_adapter_cannot_express(tiny_model_dirs, tmp_path, options, message):
     from unimae.embedding.spec import EmbeddingSpec
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
 
     base = str(tiny_model_dirs["llama"])
     spec = EmbeddingSpec(**options.pop("spec")) if "spec" in options else None
@@ -424,8 +424,9 @@ def test_smollm2_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     """SmolLM2-135M + a small random LoRA: 20 texts within the cosine targets at f32/f16/q8_0, and 32 greedy
     tokens identical at f32 for a plain and a chat prompt."""
     from unimae.encoder import Encoder
-    from unimae.export import export, merged_model
-    from unimae.gguf_export import source_gguf, write_gguf
+    from unimae.export import export
+    from unimae.export.base import merged_model
+    from unimae.export.gguf import source_gguf, write_gguf
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
     adapter = _adapter("smollm2-135m", tmp_path / "adapter", scale=0.02)
@@ -452,8 +453,8 @@ def test_gemma3_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     own rotary bases): 20 texts within the cosine target at f32 and f16, including one past the 512-token
     window, and 24 greedy tokens identical at f32."""
     from unimae.encoder import Encoder
-    from unimae.export import merged_model
-    from unimae.gguf_export import source_gguf, write_gguf
+    from unimae.export.base import merged_model
+    from unimae.export.gguf import source_gguf, write_gguf
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
     adapter = _adapter("gemma3-270m", tmp_path / "adapter", scale=0.02)
@@ -573,7 +574,7 @@ def test_smollm2_gguf_lora_on_the_base_gguf_in_llama_cpp(tmp_path, monkeypatch):
     unimae's at f32 for a plain and a chat prompt, where the base alone answers otherwise."""
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
     adapter = _adapter("smollm2-135m", tmp_path / "adapter", scale=0.2)

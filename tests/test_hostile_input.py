@@ -169,7 +169,7 @@ def test_export_to_a_folder_that_cannot_be_written_fails_before_merging(tiny_mod
     """Before: the merge ran first (60 s for a real model), then the write failed."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr("unimae.export.merged_model", lambda *args: pytest.fail("merged before checking --output"))
+    monkeypatch.setattr("unimae.export.gguf.merged_model", lambda *args: pytest.fail("merged before checking --output"))
     argv = ["export", "--model", str(tiny_model_dirs["llama"]), "--format", "gguf", "--output"]
     assert main([*argv, str(blocker / "sub" / "model.gguf")]) == 2
     assert f"cannot write to {blocker / 'sub'} (" in capsys.readouterr().err
@@ -195,7 +195,7 @@ def test_full_disk_during_export_leaves_no_partial_folder(tiny_model_dirs, tmp_p
         (Path(directory) / "model.safetensors").write_bytes(b"half a model")
         raise failure
 
-    monkeypatch.setattr("unimae.export.save_merged", disk_full)
+    monkeypatch.setattr("unimae.export.hf.save_merged", disk_full)
     out = tmp_path / "exp"
     assert main(["export", "--model", str(tiny_model_dirs["llama"]), "--output", str(out)]) == 2
     err = capsys.readouterr().err

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from unimae.embedding.spec import with_prompt
 from unimae.embedding.tokenization import encode_with_eos
 from unimae.embedding.vectors import finish_embeddings
-from unimae.gguf_export import KEY_PREFIX
+from unimae.export.gguf import KEY_PREFIX
 from unimae.retrieval.index import Hit, VectorIndex
 from unimae.retrieval.rag import RAGAnswer, passages_json, prompt_tail
 from unimae.serving.config import ServerConfig

@@ -40,7 +40,7 @@ from unimae.adapter import (
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
-from unimae.export import save_merged
+from unimae.export.base import save_merged
 from unimae.files import atomic_write_json, atomic_write_text, writing
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
