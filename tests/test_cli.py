@@ -128,10 +128,10 @@ def test_generate_prints_the_models_greedy_continuation(tiny_model_dirs, capsys)
 
 
 def test_check_passes_its_options_and_writes_the_rows(monkeypatch, tmp_path, capsys):
-    from unimae.check import CheckResult
+    from unimae.evaluation.check import CheckResult
 
     result = CheckResult([("base eos", "STSBenchmark test Spearman", 12.345)], {"base": "Paris"})
-    calls = _record(monkeypatch, "unimae.check.run_check", result)
+    calls = _record(monkeypatch, "unimae.evaluation.check.run_check", result)
     out = tmp_path / "check.json"
     argv = ["check", "--model", "m", "--adapter", "a", "--sts", "s.jsonl", "--max-paragraphs", "5"]
     assert main([*argv, "--output", str(out)]) == 0

@@ -142,7 +142,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from unimae.check import run_check
+    from unimae.evaluation.check import run_check
 
     result = run_check(args.model, args.adapter, sts=args.sts, max_paragraphs=args.max_paragraphs)
     print(result.table())
