@@ -6,6 +6,7 @@ default_spin()  # before anything imports torch: see unimae.runtime.threads
 
 from unimae.encoder import Encoder  # noqa: E402
 from unimae.training.config import TrainConfig  # noqa: E402
+from unimae.training.trainer import train as _train  # noqa: E402
 
 __all__ = ["Encoder", "TrainConfig", "train"]
 __version__ = "0.1.0"
@@ -13,6 +14,4 @@ __version__ = "0.1.0"
 
 def train(config: TrainConfig, resume: bool = False):
     """Train as configured (see ``unimae.training.trainer.train``)."""
-    from unimae.training.trainer import train as _train
-
     return _train(config, resume=resume)

@@ -15,6 +15,7 @@ import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
 from unimae.training.config import TrainConfig
@@ -113,8 +114,6 @@ def _front_matter(name: str, meta: dict, tasks: dict[str, dict], folder: Path) -
 
 
 def _intro(name: str, meta: dict) -> str:
-    from unimae.embedding.spec import EmbeddingSpec
-
     spec = EmbeddingSpec.from_dict(meta.get("embedding"))
     model = meta.get("base_model", "")
     _, _, licence = BASE_MODELS.get(model, (model, "", "the base model's"))

@@ -25,6 +25,8 @@ import torch
 
 from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
 from unimae.embedding.spec import EmbeddingSpec
+from unimae.losses.grad_cache import GradCacheContrastiveObjective
+from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import Context, Method, pooled_batch
 from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling
@@ -89,9 +91,6 @@ class Contrastive(Method):
         return self.mixture.order(self.config.batch_size, seed)
 
     def build_objective(self, llm):
-        from unimae.losses.grad_cache import GradCacheContrastiveObjective
-        from unimae.losses.supervised_contrastive import ContrastiveObjective
-
         c = self.config
         args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
         kwargs = {"lm_weight": c.lm_weight, "lm_texts": c.lm_texts, "ce_chunk_size": c.ce_chunk_size}

@@ -37,6 +37,7 @@ from unimae.data.masking import example_generator
 from unimae.embedding.pooling import PooledInput
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos, spare_special_tokens
+from unimae.losses.gem import GEMObjective
 from unimae.methods.base import Method, has_bos, pad_right
 from unimae.methods.registry import register_method
 from unimae.models import grow_vocabulary
@@ -156,8 +157,6 @@ class GEM(Method):
         return c.gem_contrastive_lr_scale * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def build_objective(self, llm):
-        from unimae.losses.gem import GEMObjective
-
         c = self.config
         if llm.get_input_embeddings().weight.shape[0] <= max(self.summary_ids):
             self.prepare_model(llm)  # a model that did not come through the trainer's prepare_model

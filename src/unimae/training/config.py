@@ -440,8 +440,8 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
 
 def method_names() -> list[str]:
-    """The registered training methods (imported late: the methods import this module's types)."""
-    from unimae.methods import METHOD_REGISTRY
+    """The registered training methods."""
+    from unimae.methods import METHOD_REGISTRY  # imported here: the methods' type hints name TrainConfig (a cycle)
 
     return sorted(METHOD_REGISTRY)
 
