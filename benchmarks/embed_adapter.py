@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from unimae.adapter import skip_input_upcast
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "speed.json"

@@ -2,7 +2,7 @@
 
 Both models embed the same sentences (the first ``--limit`` unique sentences of the STSBenchmark
 test split, sentence1 then sentence2 row by row) in the same process, with the same batch size,
-device and precision (unimae's resolved ``--precision``; both run under ``unimae.precision.autocast``,
+device and precision (unimae's resolved ``--precision``; both run under ``unimae.runtime.precision.autocast``,
 weights stay fp32). One warm-up batch per model is excluded from timing. With ``--repeats`` > 1
 the models alternate and each model's fastest repeat is reported. The result is sentences/s of
 each and their ratio (unimae / MiniLM).
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from unimae.evaluation.reference import load_minilm, minilm_dir
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, sentences: list[str]) -> dict:
     """Time both models, alternating per repeat; return the report."""
     import torch
 
-    from unimae.precision import autocast
+    from unimae.runtime.precision import autocast
 
     if args.threads:
         torch.set_num_threads(args.threads)

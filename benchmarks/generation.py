@@ -18,7 +18,7 @@ the same length) after a ~120-token prompt:
 
 unimae: ``Encoder.from_pretrained(--model)`` at ``--precision`` (auto: bf16 where the CPU has it, with its
 bf16 weights; fp32 otherwise). llama.cpp: the model's own GGUF (Q4_1 for smollm2-135m) and, where
-``unimae.gguf_export`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
+``unimae.export.gguf`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
 ``$UNIMAE_CACHE/gguf``). The comparison entry ``llama.cpp`` is the f16 file (16-bit weights like unimae's
 bf16) when there is one; every type is reported under ``generation_benchmark.llama_cpp_by_type``. Engines
 alternate within each of ``--repeats`` rounds after one warm-up each; medians are reported, and the
@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # isort: off
-import unimae  # noqa: F401  (first: sets the OpenMP wait policy before torch loads, see unimae.threads)
+import unimae  # noqa: F401  (first: sets the OpenMP wait policy before torch loads, see unimae.runtime.threads)
 import torch
 
 # isort: on
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "speed.json"
@@ -88,7 +88,7 @@ class Run:
 class Unimae:
     """unimae's ``generate_stream`` on an Encoder's model through the server's in-flight batching scheduler,
     one stream and concurrent ones, as ``unimae serve`` runs them: every forward on the scheduler's model
-    thread (see :mod:`unimae.threads`). ``batching`` off: ``decode_tokens`` in each request's thread
+    thread (see :mod:`unimae.runtime.threads`). ``batching`` off: ``decode_tokens`` in each request's thread
     (``serve --no-continuous-batching``)."""
 
     def __init__(self, encoder, streams: int, batching: bool = True):
@@ -102,8 +102,9 @@ class Unimae:
             self.scheduler.start()
 
     def run(self, ids: list[int], new_tokens: int) -> Run:
-        from unimae.decoding import decode_tokens
-        from unimae.generation import GenerationParams, GenerationResult, generate_stream
+        from unimae.generation.decoding import decode_tokens
+        from unimae.generation.sampling import GenerationParams
+        from unimae.generation.stream import GenerationResult, generate_stream
 
         params = GenerationParams(max_new_tokens=new_tokens, ignore_eos=True)
         decode = self.scheduler.decode if self.scheduler is not None else decode_tokens
@@ -242,7 +243,7 @@ def _engine_process(conn, make) -> None:
 class EngineProcess:
     """One engine in a process of its own (spawned), so that neither engine's OpenMP threads count against the
     other's: torch and llama.cpp share one libgomp in a process, and libgomp stops spinning between parallel
-    regions once it manages more threads than there are CPUs (see :mod:`unimae.threads`). CPU ms per token
+    regions once it manages more threads than there are CPUs (see :mod:`unimae.runtime.threads`). CPU ms per token
     are the engine process's own."""
 
     def __init__(self, make):
@@ -284,14 +285,14 @@ def gguf_file_type(path: Path) -> str:
 
 def build_ggufs(model: str, types: list[str]) -> dict[str, Path]:
     """{type: GGUF path}: the model's own GGUF (under its type, e.g. q4_1) and the f16/q8_0 files
-    ``unimae.gguf_export`` writes from the same weights (cached; skipped with a warning if it cannot)."""
+    ``unimae.export.gguf`` writes from the same weights (cached; skipped with a warning if it cannot)."""
     from unimae.models import cache_root, load_model
 
     found: dict[str, Path] = {}
     try:
-        from unimae.gguf_export import source_gguf, write_gguf
+        from unimae.export.gguf import source_gguf, write_gguf
     except ImportError as err:
-        logging.warning("no unimae.gguf_export (%s): only the model's own GGUF is compared", err)
+        logging.warning("no unimae.export.gguf (%s): only the model's own GGUF is compared", err)
         source_gguf, write_gguf = None, None
     source = source_gguf(model) if source_gguf else None
     if source is not None:

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -50,7 +50,7 @@ def repetition(text: str) -> dict[str, float]:
 def score(model: str, adapter: str | None, precision: str, new_tokens: int) -> dict:
     """The setup's continuations and their mean repetition measures."""
     from unimae.encoder import Encoder
-    from unimae.generation import GenerationParams
+    from unimae.generation.sampling import GenerationParams
 
     encoder = Encoder.from_pretrained(model, adapter=adapter, precision=precision)
     params = GenerationParams(max_new_tokens=new_tokens)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def scifact(data_dir: Path) -> tuple[list[tuple[str, str]], dict[str, str], dict
 
 def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[int]]:
     """(held-out passages, questions, the index of each question's own passage), as the RAG benchmark draws them."""
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
 
     passages = load_passages("enwiki-gensim:heldout")
     chosen = random.Random(0).sample(range(len(passages)), count)
@@ -60,7 +60,7 @@ def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[in
 
 
 def build(encoder, passages, kind: str, dims: int | None, folder: Path):
-    from unimae.index import IndexConfig, VectorIndex
+    from unimae.retrieval.index import IndexConfig, VectorIndex
 
     return VectorIndex.build(encoder, passages, folder, IndexConfig(kind=kind, dimensions=dims or None))
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embed_throughput import STSB_RELATIVE, default_data_dir, load_sentences  # noqa: E402
 
 from unimae.files import update_json
-from unimae.runtime import cpu_model  # noqa: E402
+from unimae.runtime.memory import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "llama.cpp-export"
@@ -43,7 +43,7 @@ PROMPT = [{"role": "user", "content": "Write a long story about a dragon who lea
 def export_all(args: argparse.Namespace) -> dict[str, Path]:
     """{type: GGUF path}, exporting what ``--gguf-dir`` does not hold yet."""
     from unimae.export import export
-    from unimae.gguf_export import source_gguf
+    from unimae.export.gguf import source_gguf
 
     args.gguf_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -74,7 +74,8 @@ class TorchEngine:
         return self.encoder.encode(sentences, batch_size=self.batch_size, normalize=True, show_progress=False)
 
     def decode(self, prompt_ids: list[int], tokens: int) -> dict:
-        from unimae.generation import GenerationParams, generate_text
+        from unimae.generation.sampling import GenerationParams
+        from unimae.generation.stream import generate_text
 
         encoder = self.encoder
         tic = time.perf_counter()
@@ -170,8 +171,8 @@ def sweep(args: argparse.Namespace, sentences: list[str], path: Path) -> list[di
     """llama.cpp embedding rates of one file under the settings users try, and one long input vs short ones."""
     import xllamacpp
 
+    from unimae.embedding.tokenization import encode_with_eos
     from unimae.serving.llamacpp_engine import gguf_tokenizer
-    from unimae.tokenization import encode_with_eos
 
     ids = encode_with_eos(gguf_tokenizer(path), sentences[: args.sweep_sentences], 512, warn=False)
     tokens = sum(map(len, ids))

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -293,11 +293,12 @@ def rag_worker(mode: str, args) -> dict:
     """One RAG setup in this process: 'one' (the LLM embeds and answers) or 'two' (MiniLM + the same LLM)."""
     import numpy as np
 
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
     from unimae.encoder import Encoder
-    from unimae.generation import GenerationParams, generate_text
-    from unimae.index import IndexConfig, VectorIndex
-    from unimae.rag import RAG, prompt_tail
+    from unimae.generation.sampling import GenerationParams
+    from unimae.generation.stream import generate_text
+    from unimae.retrieval.index import IndexConfig, VectorIndex
+    from unimae.retrieval.rag import RAG, prompt_tail
 
     passages = load_passages("enwiki-gensim:heldout")
     rng = random.Random(0)
@@ -313,7 +314,7 @@ def rag_worker(mode: str, args) -> dict:
             build = time.perf_counter() - build_start
             rag = RAG(llm, index)
         else:
-            from unimae.embedding_spec import EmbeddingSpec
+            from unimae.embedding.spec import EmbeddingSpec
             from unimae.evaluation.reference import load_minilm
 
             minilm = load_minilm()

@@ -1,6 +1,6 @@
 """RAG time to first token with and without reusing the query's embedding KV cache, by query length.
 
-One model retrieves and answers (``unimae.rag.RAG``): the query's embedding pass (``query [EOS]``) is
+One model retrieves and answers (``unimae.retrieval.rag.RAG``): the query's embedding pass (``query [EOS]``) is
 the start of the generation prompt, so its KV cache can be the prompt's prefix and only the rest is
 prefilled. With an 18-token question in a ~450-token prompt the saving is negligible; it matters for
 long queries, e.g. a document as the query, as GritLM does (54% less time at 4k tokens on CPU). The
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "rag_kv_reuse.json"
@@ -53,7 +53,7 @@ def make_query(tokenizer, paragraphs: list[str], length: int) -> str:
 
 def ask(rag, query: str, params, reuse: bool) -> dict:
     """One RAG answer, timed from the question to its first text piece."""
-    from unimae.rag import RAGAnswer
+    from unimae.retrieval.rag import RAGAnswer
 
     start, first, answer = time.perf_counter(), None, None
     for item in rag.stream(query, params=params, reuse_kv=reuse):
@@ -95,11 +95,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
     from unimae.encoder import Encoder
-    from unimae.generation import GenerationParams
-    from unimae.index import VectorIndex
-    from unimae.rag import RAG, RAGConfig
+    from unimae.generation.sampling import GenerationParams
+    from unimae.retrieval.index import VectorIndex
+    from unimae.retrieval.rag import RAG, RAGConfig
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS, RANK, SPREAD, NOISE = 1000, 64, 0.6, 0.1  # the synthetic vectors (see the module docstring)
@@ -101,7 +101,7 @@ def cpu() -> dict:
                 break
     except OSError:
         pass
-    from unimae.index import _faiss
+    from unimae.retrieval.index import _faiss
 
     simd = [f for f in SIMD_FLAGS if f in flags]
     return {"model": cpu_model(), "cores": os.cpu_count(), "flags": simd, "faiss": _faiss().get_compile_options()}
@@ -112,9 +112,9 @@ def cpu() -> dict:
 
 def embed_part(args: argparse.Namespace, work: Path) -> dict:
     """Single process vs Ray, at P and 2P passages: seconds, passages/s, ratios, per-worker throughput."""
-    from unimae.corpus import load_passages
-    from unimae.index import IndexConfig
-    from unimae.ray_index import EncoderLoad
+    from unimae.data.corpus import load_passages
+    from unimae.retrieval.index import IndexConfig
+    from unimae.retrieval.ray_index import EncoderLoad
 
     passages = load_passages(args.corpus)[: 2 * args.passages]
     if len(passages) < 2 * args.passages:
@@ -145,7 +145,7 @@ def embed_part(args: argparse.Namespace, work: Path) -> dict:
 def time_single(load, passages: list, sizes: tuple[int, int], config, work: Path) -> dict:
     import torch
 
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
 
     tic = time.perf_counter()
     encoder = load.load()
@@ -158,7 +158,7 @@ def time_single(load, passages: list, sizes: tuple[int, int], config, work: Path
 
 
 def time_ray(load, passages: list, sizes: tuple[int, int], config, args: argparse.Namespace, work: Path) -> dict:
-    from unimae.ray_index import RayConfig, _ray, build_on_ray
+    from unimae.retrieval.ray_index import RayConfig, _ray, build_on_ray
 
     ray = _ray()
     ray_config = RayConfig(workers=args.workers, num_gpus_per_worker=args.num_gpus_per_worker)
@@ -209,7 +209,7 @@ class TableEncoder:
     ``rows(start, count)`` makes (any shard alone: synthetic rows are drawn from a generator seeded by ``start``)."""
 
     def __init__(self, dim: int, rows):
-        from unimae.embedding_spec import EmbeddingSpec
+        from unimae.embedding.spec import EmbeddingSpec
 
         self.spec, self.max_length, self.precision, self.adapter_merged = EmbeddingSpec(), 512, "fp32", False
         self.embedding_dim, self.rows = dim, rows
@@ -240,8 +240,8 @@ def index_part(args: argparse.Namespace, work: Path) -> list[dict]:
 
 def index_size(args: argparse.Namespace, n: int, folder: Path) -> dict:
     """Build both stores over N vectors, measure each in a fresh process, compare their top 10."""
-    from unimae.disk_index import DiskIndex, DiskIndexConfig
-    from unimae.index import IndexConfig, VectorIndex
+    from unimae.retrieval.disk_index import DiskIndex, DiskIndexConfig
+    from unimae.retrieval.index import IndexConfig, VectorIndex
 
     rows, query_vectors, dim = vector_source(args)
     if args.vectors and n > len(np.load(args.vectors, mmap_mode="r")) - args.queries:
@@ -287,8 +287,8 @@ def measure_in_subprocess(directory: Path, queries: Path) -> dict:
 
 def measure(directory: Path, queries_file: Path, result: Path, k: int = 10) -> None:
     """In a fresh process: load the store cold, time single queries cold then warm, record memory and top-k."""
-    from unimae.disk_index import open_index
-    from unimae.index import _faiss
+    from unimae.retrieval.disk_index import open_index
+    from unimae.retrieval.index import _faiss
 
     _faiss()  # its library's pages are not the index's
     queries = np.load(queries_file)  # (Q, D)
@@ -409,7 +409,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from unimae.disk_index import _default_pq_m
+    from unimae.retrieval.disk_index import _default_pq_m
 
     report = {"settings": {k: v for k, v in vars(args).items() if v is not None}, "cpu": cpu()}
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:

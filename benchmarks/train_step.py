@@ -1,6 +1,6 @@
 """Training-step benchmark of the real trainer: seconds/step, tokens/s, peak RSS, FLOP/s.
 
-For each model, a fresh (spawned) process calls ``unimae.trainer.train`` with
+For each model, a fresh (spawned) process calls ``unimae.training.trainer.train`` with
 ``TrainConfig(model=..., output_dir=<temporary directory>, steps=warmup + steps, save_every=0)``
 plus the ``--batch-size/--micro-batch-size/--max-length/--precision/--threads`` overrides (every
 other field is the ``TrainConfig`` default, i.e. the CPU recipe on ``enwiki-gensim``). Nothing of
@@ -157,7 +157,7 @@ def run_shape(output_dir: Path, model_path: str) -> Shape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from unimae.checkpoint import load_latest_checkpoint
+    from unimae.training.checkpoint import load_latest_checkpoint
 
     trainable = load_latest_checkpoint(output_dir)["trainable"]
     lora = sum(t.numel() for n, t in trainable.items() if "lora_" in n)
@@ -198,11 +198,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict:
-    """Train ``name`` with ``unimae.trainer.train`` and summarize its log (runs in a fresh process)."""
+    """Train ``name`` with ``unimae.training.trainer.train`` and summarize its log (runs in a fresh process)."""
     import torch
 
-    from unimae.config import TrainConfig
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     with tempfile.TemporaryDirectory(prefix="unimae-train-step-") as tmp:
         out = Path(tmp) / "run"
@@ -382,7 +382,7 @@ def print_result(r: dict) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    from unimae.config import TrainConfig
+    from unimae.training.config import TrainConfig
 
     d = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -51,7 +51,7 @@ def ict_pair(paragraph: str, rng: random.Random, min_words: int, keep_sentence: 
 
 def enwiki_gensim_guard() -> tuple[set[str], set[str]]:
     """Titles and paragraph prefixes of every enwiki-gensim article (train and held-out)."""
-    from unimae.corpus import enwiki_gensim_passages
+    from unimae.data.corpus import enwiki_gensim_passages
 
     titles, prefixes = set(), set()
     for split in ("train", "heldout"):

@@ -9,11 +9,11 @@ import json
 
 import torch
 
-from unimae.corpus import load_texts
+from unimae.data.corpus import load_texts
 from unimae.losses.unimae import UniMAEObjective
-from unimae.masking import UniMAECollator
+from unimae.data.masking import UniMAECollator
 from unimae.models import load_model
-from unimae.tokenization import choose_mask_token, encode_with_eos, last_token_index
+from unimae.embedding.tokenization import choose_mask_token, encode_with_eos, last_token_index
 
 torch.manual_seed(0)
 model, tok, _ = load_model("smollm2-135m", dtype=torch.float32)

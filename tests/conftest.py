@@ -149,7 +149,7 @@ def tiny_train_config(tiny_dir, data, out, **overrides):
     """A TrainConfig for a few fast fp32 steps on a tiny model (one batch of 4 texts per step).
 
     p_mar is the paper's 0.5 (not the CPU recipe's 0) so that the tests exercise MAR masking too."""
-    from unimae.config import TrainConfig
+    from unimae.training.config import TrainConfig
 
     values = dict(
         model=str(tiny_dir), data=str(data), output_dir=str(out), steps=12, batch_size=4, micro_batch_size=4,

@@ -2,7 +2,7 @@
 
 import torch
 
-from unimae.attention import (
+from unimae.embedding.attention import (
     bidirectional_allowed,
     causal_allowed,
     gem_allowed,

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from unimae.checkpoint import (
+from unimae.cli import main
+from unimae.encoder import Encoder
+from unimae.training.checkpoint import (
     CHECKSUM_FILE,
     STATE_FILE,
     CheckpointError,
@@ -20,10 +22,8 @@ from unimae.checkpoint import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from unimae.cli import main
-from unimae.config import TrainConfig
-from unimae.encoder import Encoder
-from unimae.trainer import train
+from unimae.training.config import TrainConfig
+from unimae.training.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_checkpoint_damaged_in_place_falls_back_to_the_older_one(trained, tmp_pa
     _overwrite_tensor_data(newest)  # zeros: finite numbers, so only the checksum can tell
     assert newest.stat().st_size == size
     assert torch.load(newest, weights_only=True)["step"] == 2, "the damage must leave a loadable file"
-    with caplog.at_level(logging.WARNING, logger="unimae.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="unimae.training.checkpoint"):
         state = load_latest_checkpoint(out)
     assert state["step"] == 1
     assert "step-000002 is corrupt" in caplog.text and "does not match its checksum" in caplog.text
@@ -143,7 +143,7 @@ def test_checkpoint_without_a_checksum_still_loads_with_a_warning(trained, tmp_p
     result, _ = trained
     out = tmp_path / "run"
     (_copy_checkpoints(result, out) / "step-000002" / CHECKSUM_FILE).unlink()  # as an older unimae wrote it
-    with caplog.at_level(logging.WARNING, logger="unimae.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="unimae.training.checkpoint"):
         assert load_latest_checkpoint(out)["step"] == 2
     assert "loading it unverified" in caplog.text
 
@@ -162,7 +162,7 @@ def test_nan_weights_are_never_saved_and_refused_when_loaded(trained, tmp_path, 
     older = checkpoint_dir(out) / "step-000003"  # NaN weights in a checkpoint written without the check
     older.mkdir()
     torch.save({**good, "trainable": bad, "step": 3}, older / STATE_FILE)
-    with caplog.at_level(logging.WARNING, logger="unimae.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="unimae.training.checkpoint"):
         assert load_latest_checkpoint(out)["step"] == 2
     assert "step-000003 is corrupt" in caplog.text and "NaN or infinite" in caplog.text
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import SENTENCES, SHARED_DATA
 from scipy.stats import rankdata
 
-from unimae.check import halves_retrieval, load_sts_pairs, sts_spearman
+from unimae.evaluation.check import halves_retrieval, load_sts_pairs, sts_spearman
 
 STSB = SHARED_DATA / "sts" / "STSBenchmark" / "test.jsonl"
 needs_data = pytest.mark.skipif(
@@ -74,14 +74,16 @@ def test_halves_retrieval_splits_at_the_middle_word_and_scores_top1():
 
 
 def test_run_check_rows_are_the_scores_of_each_setting(tiny_model_dirs, tmp_path, monkeypatch):
-    from unimae.check import run_check
     from unimae.encoder import Encoder
+    from unimae.evaluation.check import run_check
 
     tiny = str(tiny_model_dirs["llama"])
     sts = tmp_path / "sts.jsonl"
     pairs = [(SENTENCES[i], SENTENCES[(i + 1) % 12], float(i % 5)) for i in range(12)]
     sts.write_text("".join(json.dumps({"sentence1": a, "sentence2": b, "score": g}) + "\n" for a, b, g in pairs))
-    monkeypatch.setattr("unimae.check.enwiki_gensim_paragraphs", lambda split: SENTENCES if split == "heldout" else [])
+    monkeypatch.setattr(
+        "unimae.evaluation.check.enwiki_gensim_paragraphs", lambda split: SENTENCES if split == "heldout" else []
+    )
     result = run_check(tiny, None, sts=str(sts), max_paragraphs=8)
     s1, s2, gold = load_sts_pairs(sts)
     expected = []
@@ -117,7 +119,7 @@ def test_sts_spearman_on_a_slice_matches_an_independent_computation(tiny_model_d
 
 @needs_data
 def test_find_data_dir_locates_shared_data(monkeypatch):
-    from unimae.check import find_data_dir
+    from unimae.evaluation.check import find_data_dir
 
     monkeypatch.setenv("UNIMAE_DATA", str(SHARED_DATA))
     assert find_data_dir() == SHARED_DATA

@@ -90,11 +90,11 @@ def _record(monkeypatch, target: str, returns):
 
 
 def test_train_passes_the_resolved_config_and_reports_an_interrupt(monkeypatch, tmp_path, capsys):
-    from unimae.trainer import TrainResult
+    from unimae.training.trainer import TrainResult
 
     out = tmp_path / "run"
     result = TrainResult(out, out / "adapter", steps=3, interrupted=True, seconds=1.0)
-    calls = _record(monkeypatch, "unimae.trainer.train", result)
+    calls = _record(monkeypatch, "unimae.training.trainer.train", result)
     argv = ["train", "--model", "m", "--data", "d.txt", "--output-dir", str(out), "--steps", "7", "--lr", "0.001"]
     assert main(argv) == 130
     (config,), kwargs = calls[0]
@@ -105,13 +105,13 @@ def test_train_passes_the_resolved_config_and_reports_an_interrupt(monkeypatch, 
 
 
 def test_train_resume_reuses_the_runs_config_and_explicit_flags_win(monkeypatch, tmp_path):
-    from unimae.config import TrainConfig
-    from unimae.trainer import TrainResult
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import TrainResult
 
     out = tmp_path / "run"
     out.mkdir()
     TrainConfig(model="saved-model", data="saved.txt", output_dir=str(out), steps=9, lr=0.01).save(out / "config.json")
-    calls = _record(monkeypatch, "unimae.trainer.train", TrainResult(out, out / "adapter", 12, False, 1.0))
+    calls = _record(monkeypatch, "unimae.training.trainer.train", TrainResult(out, out / "adapter", 12, False, 1.0))
     assert main(["train", "--resume", "--output-dir", str(out), "--steps", "12"]) == 0
     (config,), kwargs = calls[0]
     assert kwargs == {"resume": True, "overwrite": False}
@@ -128,10 +128,10 @@ def test_generate_prints_the_models_greedy_continuation(tiny_model_dirs, capsys)
 
 
 def test_check_passes_its_options_and_writes_the_rows(monkeypatch, tmp_path, capsys):
-    from unimae.check import CheckResult
+    from unimae.evaluation.check import CheckResult
 
     result = CheckResult([("base eos", "STSBenchmark test Spearman", 12.345)], {"base": "Paris"})
-    calls = _record(monkeypatch, "unimae.check.run_check", result)
+    calls = _record(monkeypatch, "unimae.evaluation.check.run_check", result)
     out = tmp_path / "check.json"
     argv = ["check", "--model", "m", "--adapter", "a", "--sts", "s.jsonl", "--max-paragraphs", "5"]
     assert main([*argv, "--output", str(out)]) == 0
@@ -210,9 +210,9 @@ def test_evaluate_figures_shows_the_base_untrained_beside_an_adapter_as_it_embed
     monkeypatch, tiny_model_dirs, corpus_file, tmp_path
 ):
     """With an MNTP adapter (bidirectional attention, mean pooling) the base panel is still causal eos."""
-    from unimae.config import TrainConfig
     from unimae.encoder import Encoder
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     tiny = str(tiny_model_dirs["llama"])
     run = dict(data=str(corpus_file), steps=1, batch_size=2, micro_batch_size=2, max_length=24, precision="fp32")

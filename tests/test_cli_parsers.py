@@ -1,5 +1,5 @@
 """The command line's parsers (help pages, choices from the registries), input and API-key handling, and
-``unimae.rag.load_index_and_encoder`` (the library side of ``ask`` / ``serve --index``)."""
+``unimae.retrieval.rag.load_index_and_encoder`` (the library side of ``ask`` / ``serve --index``)."""
 
 import argparse
 import logging
@@ -8,13 +8,13 @@ import re
 import pytest
 from conftest import SENTENCES
 
-from unimae.attention import ATTENTION_RULES
 from unimae.cli import build_parser, main
-from unimae.config import method_names
-from unimae.export import FORMATS
-from unimae.index import INDEX_KINDS, VectorIndexError
-from unimae.pooling import POOLINGS
-from unimae.precision import PRECISIONS
+from unimae.embedding.attention import ATTENTION_RULES
+from unimae.embedding.pooling import POOLINGS
+from unimae.export.base import FORMATS
+from unimae.retrieval.index import INDEX_KINDS, VectorIndexError
+from unimae.runtime.precision import PRECISIONS
+from unimae.training.config import method_names
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
 
@@ -165,9 +165,9 @@ def _adapter(tiny_dir, directory, spec, seed: int) -> str:
 def mean_index(tiny_model_dirs, tmp_path):
     """(index dir, its adapter, another adapter): an index built with a bidirectional-mean adapter."""
     from unimae.adapter import adapter_revision
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
 
     tiny = tiny_model_dirs["llama"]
     spec = EmbeddingSpec(attention="bidirectional", pooling="mean")
@@ -181,7 +181,7 @@ def mean_index(tiny_model_dirs, tmp_path):
 
 
 def test_load_index_and_encoder_embeds_queries_as_the_index_was_built(mean_index):
-    from unimae.rag import RAG, load_index_and_encoder
+    from unimae.retrieval.rag import RAG, load_index_and_encoder
 
     index_dir, _, _ = mean_index
     encoder, index = load_index_and_encoder(index_dir, precision="fp32")
@@ -193,7 +193,7 @@ def test_load_index_and_encoder_embeds_queries_as_the_index_was_built(mean_index
 
 
 def test_load_index_and_encoder_refuses_another_adapter_revision(mean_index, tmp_path, capsys):
-    from unimae.rag import load_index_and_encoder
+    from unimae.retrieval.rag import load_index_and_encoder
 
     index_dir, _, other = mean_index
     with pytest.raises(VectorIndexError, match="adapter revision"):

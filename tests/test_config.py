@@ -6,7 +6,7 @@ import json
 import pytest
 
 from unimae.cli import build_parser
-from unimae.config import TrainConfig, resolve_config
+from unimae.training.config import TrainConfig, resolve_config
 
 
 def _parse(argv):
@@ -44,7 +44,7 @@ def test_paper_recipe_gives_in_batch_methods_the_whole_batch_as_negatives(caplog
     assert resolve_config(_parse(["--recipe", "paper"])).micro_batch_size == 8  # UniMAE: per-example losses
     chosen = resolve_config(_parse(["--recipe", "paper", "--method", "gem", "--micro-batch-size", "16"]))
     assert chosen.micro_batch_size == 16  # an explicit flag still wins
-    with caplog.at_level("WARNING", logger="unimae.config"):
+    with caplog.at_level("WARNING", logger="unimae.training.config"):
         chosen.validate()
     assert "15 negatives per text, not the 31 of the whole batch" in caplog.text
 
@@ -97,7 +97,7 @@ def test_every_field_has_help_text():
 def test_every_field_is_a_flag_with_method_options_grouped_last():
     from dataclasses import fields
 
-    from unimae.config import add_config_arguments
+    from unimae.training.config import add_config_arguments
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)

@@ -13,17 +13,18 @@ import torch
 import torch.nn.functional as F
 from conftest import SENTENCES, read_log, tiny_train_config
 
-from unimae import trainer
-from unimae.attention import set_attention_dropout
-from unimae.config import TrainConfig, add_config_arguments, resolve_config
-from unimae.corpus import CorpusError
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.losses.contrastive import info_nce
-from unimae.losses.simcse import ContrastiveObjective, GradCacheContrastiveObjective
+from unimae.data.corpus import CorpusError
+from unimae.data.order import DataOrder
+from unimae.data.pairs import SourceBatchOrder, load_mixture, pair_groups
+from unimae.embedding.attention import set_attention_dropout
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.losses.grad_cache import GradCacheContrastiveObjective
+from unimae.losses.info_nce import info_nce
+from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods import Context, get_method
 from unimae.models import load_model
-from unimae.pairs import SourceBatchOrder, load_mixture, pair_groups
-from unimae.trainer import train
+from unimae.training.config import TrainConfig, add_config_arguments, resolve_config
+from unimae.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -334,8 +335,8 @@ def test_other_methods_keep_the_trainers_data_order(tiny_model_dirs):
     _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     method = get_method("unimae")(TrainConfig(), Context(tokenizer, 0, EmbeddingSpec()))
     order = method.example_order(37, 5)
-    assert isinstance(order, trainer.DataOrder)
-    reference = trainer.DataOrder(37, 5)
+    assert isinstance(order, DataOrder)
+    reference = DataOrder(37, 5)
     assert [order.text_index(i) for i in range(100)] == [reference.text_index(i) for i in range(100)]
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from unimae.corpus import CorpusError, enwiki_gensim_paragraphs, load_texts
+from unimae.data.corpus import CorpusError, enwiki_gensim_paragraphs, load_texts
 
 
 def test_txt_jsonl_parquet(tmp_path):

@@ -10,10 +10,10 @@ import pytest
 from conftest import SENTENCES
 
 from unimae.cli import main
-from unimae.disk_index import DiskIndex, DiskIndexConfig, open_index
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
-from unimae.index import IndexConfig, VectorIndex, VectorIndexError
+from unimae.retrieval.disk_index import DiskIndex, DiskIndexConfig, open_index
+from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
 
@@ -131,7 +131,7 @@ def test_disk_store_embeds_like_the_single_process_index_and_resumes(tiny_model_
 
 
 def test_index_store_disk_on_the_command_line_and_ask(tiny_model_dirs, corpus_file, tmp_path, capsys):
-    from unimae.rag import RAG, load_index_and_encoder
+    from unimae.retrieval.rag import RAG, load_index_and_encoder
 
     out = tmp_path / "idx"
     base = ["index", "--model", str(tiny_model_dirs["llama"]), "--corpus", str(corpus_file), "--precision", "fp32"]
@@ -152,7 +152,7 @@ def test_v1_rag_answers_from_a_disk_store(tiny_model_dirs, tmp_path):
     pytest.importorskip("fastapi", reason="the server needs pip install 'unimae[serve]'")
     from fastapi.testclient import TestClient
 
-    from unimae.rag import load_index_and_encoder
+    from unimae.retrieval.rag import load_index_and_encoder
     from unimae.serving.app import create_app
     from unimae.serving.config import ServerConfig
 

@@ -12,14 +12,15 @@ from conftest import read_log
 from test_contrastive import _config, _method, _records, _write
 
 from unimae.adapter import adapter_meta, embedding_spec
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.encoder import Encoder, finish_embeddings
-from unimae.losses.contrastive import info_nce
-from unimae.losses.simcse import ContrastiveObjective
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.vectors import finish_embeddings
+from unimae.encoder import Encoder
+from unimae.losses.info_nce import info_nce
+from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import pooled_batch
 from unimae.methods.contrastive import parse_dims
 from unimae.models import load_model
-from unimae.trainer import train
+from unimae.training.trainer import train
 
 QUERY = "Instruct: find the passage\nQuery: "
 
@@ -228,7 +229,7 @@ def test_server_input_type_and_dimensions(tiny_model_dirs):
 def test_quantized_indexes_find_each_passage_and_say_their_size(tiny_model_dirs, tmp_path, kind):
     from test_rag import PASSAGES
 
-    from unimae.index import IndexConfig, VectorIndex
+    from unimae.retrieval.index import IndexConfig, VectorIndex
 
     enc = _encoder(tiny_model_dirs["llama"])
     VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(kind=kind, shard_size=5))
@@ -242,9 +243,9 @@ def test_quantized_indexes_find_each_passage_and_say_their_size(tiny_model_dirs,
 def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_model_dirs, tmp_path):
     from test_rag import PASSAGES
 
-    from unimae.generation import GenerationParams
-    from unimae.index import IndexConfig, VectorIndex
-    from unimae.rag import RAG
+    from unimae.generation.sampling import GenerationParams
+    from unimae.retrieval.index import IndexConfig, VectorIndex
+    from unimae.retrieval.rag import RAG
 
     enc = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY, "document": "passage: "}, matryoshka_dims=(8,))
     index = VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(dimensions=8))

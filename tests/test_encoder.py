@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import SENTENCES
 
+from unimae.embedding.tokenization import encode_with_eos, last_token_index, pad_batch
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams
+from unimae.generation.sampling import GenerationParams
 from unimae.models import load_model
-from unimae.tokenization import encode_with_eos, last_token_index, pad_batch
 
 TEXTS = SENTENCES[:7] + ["", "   ", "short", "the"]
 
@@ -80,8 +80,8 @@ def test_unmerged_bf16_adapter_skips_peft_upcast_with_identical_embeddings(tiny_
     """Encoder (bf16, unmerged LoRA) turns off peft's per-layer fp32 input cast: bit-identical embeddings."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from unimae.config import TrainConfig
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     tiny = tiny_model_dirs["llama"]
     config = TrainConfig(

@@ -409,7 +409,7 @@ def test_generation_suite_matches_hand_computed_scores_of_a_uniform_model(unifor
 
     from transformers import AutoTokenizer
 
-    from unimae.corpus import enwiki_gensim_paragraphs
+    from unimae.data.corpus import enwiki_gensim_paragraphs
     from unimae.evaluation.generation import GENERATION_TASKS, HEADLINE_METRIC, evaluate_generation
 
     limit = 3
@@ -563,9 +563,9 @@ def test_generation_without_data_dir_is_a_clear_error(tiny_model_dirs, tmp_path)
 
 @needs_data
 def test_compare_writes_both_tables_and_figures(tiny_model_dirs, corpus_file, data_slice, tmp_path):
-    from unimae.config import TrainConfig
     from unimae.evaluation.compare import CompareConfig, run_compare
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     tiny = tiny_model_dirs["llama"]
     adapter = train(
@@ -666,7 +666,7 @@ def test_default_labels_of_two_adapters_in_one_folder_differ():
 
 @needs_data
 def test_mteb_applies_the_adapters_prompts_by_its_own_rule_and_scores_prefixes(tiny_model_dirs, data_slice, tmp_path):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.evaluation.embeddings import evaluate_embeddings
 

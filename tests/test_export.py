@@ -44,20 +44,20 @@ def test_hf_export_loads_in_transformers_and_refuses_overwrite(tiny_model_dirs, 
 
 
 def test_an_export_that_fails_part_way_leaves_nothing_and_can_be_rerun(tiny_model_dirs, tmp_path, monkeypatch):
-    from unimae import export as export_module
+    from unimae.export import export, hf
 
     def fail_after_writing(model, adapter, out, spec, max_length):
         (out / "_transformer").mkdir()
         raise KeyboardInterrupt  # stopped mid-write
 
-    saved = export_module._save_sentence_transformers
-    monkeypatch.setattr(export_module, "_save_sentence_transformers", fail_after_writing)
+    saved = hf._save_sentence_transformers
+    monkeypatch.setattr(hf, "_save_sentence_transformers", fail_after_writing)
     target = tmp_path / "st"
     with pytest.raises(KeyboardInterrupt):
-        export_module.export(str(tiny_model_dirs["llama"]), None, target, fmt="sentence-transformers")
+        export(str(tiny_model_dirs["llama"]), None, target, fmt="sentence-transformers")
     assert not target.exists()
-    monkeypatch.setattr(export_module, "_save_sentence_transformers", saved)
-    out = export_module.export(str(tiny_model_dirs["llama"]), None, target, fmt="sentence-transformers")
+    monkeypatch.setattr(hf, "_save_sentence_transformers", saved)
+    out = export(str(tiny_model_dirs["llama"]), None, target, fmt="sentence-transformers")
     assert (out / "modules.json").is_file() and not (out / "_transformer").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["st"]  # no partial folder left beside it
 
@@ -87,7 +87,7 @@ def _adapter_with_spec(tiny_dir, directory, spec):
     ids=["mntp", "gem", "echo"],
 )
 def test_sentence_transformers_export_refuses_what_it_cannot_express(tiny_model_dirs, tmp_path, spec):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.export import export
 
     adapter = _adapter_with_spec(tiny_model_dirs["llama"], tmp_path / "adapter", EmbeddingSpec(**spec))
@@ -100,7 +100,7 @@ def test_mean_adapter_exports_mean_pooling_and_hf_card_states_the_spec(tiny_mode
     from sentence_transformers import SentenceTransformer
 
     from unimae.adapter import embedding_spec
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.export import export
 

@@ -87,7 +87,7 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
     from peft import LoraConfig, get_peft_model
 
     from unimae.adapter import base_fingerprint, write_adapter_meta
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.models import load_model
 
     model, _, _ = load_model(base)
@@ -106,7 +106,7 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
 
 def _assert_agrees(server, encoder, texts, min_cosine: float) -> None:
     """llama.cpp tokenizes like unimae, and embeds (text + EOS text, and unimae's ids) like Encoder.encode."""
-    from unimae.tokenization import encode_with_eos
+    from unimae.embedding.tokenization import encode_with_eos
 
     ours = encoder.encode(texts, normalize=True)
     ids = encode_with_eos(encoder.tokenizer, texts, encoder.max_length)
@@ -208,7 +208,7 @@ def test_gguf_export_from_a_gguf_copies_its_metadata(merged_tiny, tmp_path):
     ids=["mntp", "gem", "echo", "causal-mean"],
 )
 def test_gguf_export_refuses_what_last_token_pooling_cannot_express(tiny_model_dirs, tmp_path, spec):
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.export import export
 
     base = str(tiny_model_dirs["llama"])
@@ -284,10 +284,10 @@ def test_gguf_lora_on_the_base_gguf_works_like_the_merged_export_in_llama_cpp(
 ):
     """llama.cpp applies the adapter to embeddings and generation: the base GGUF + ``--lora`` embeds like the
     merged export and unimae, and generates the merged export's greedy tokens (the base alone does neither)."""
+    from unimae.embedding.tokenization import encode_with_eos
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.gguf_lora_export import export_gguf_lora
-    from unimae.tokenization import encode_with_eos
+    from unimae.export.gguf_lora import export_gguf_lora
 
     base, adapter = merged_tiny[arch]
     lora = export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", lora_type)
@@ -310,9 +310,9 @@ def test_llama_cpp_takes_a_per_request_lora_for_completions_but_not_for_embeddin
     """What llama-server does with several adapters in one process (documented in docs/deploy.md): a request's
     ``lora`` list sets the adapter scales for a completion, but embeddings ignore it and use the global scales
     (``POST /lora-adapters``)."""
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.embedding.tokenization import encode_with_eos
+    from unimae.export.gguf_lora import export_gguf_lora
     from unimae.models import load_tokenizer
-    from unimae.tokenization import encode_with_eos
 
     base, adapter = merged_tiny["llama"]
     swapped = _server(base_gguf["llama"], lora=export_gguf_lora(base, adapter, tmp_path / "adapter.gguf", "f32"))
@@ -349,7 +349,7 @@ def test_gguf_lora_tensors_are_the_merged_exports_deltas(merged_tiny, tmp_path, 
     from gguf import GGUFReader
 
     from unimae.export import export
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
 
     base, adapter = merged_tiny["llama"]
     if stages == "two":
@@ -394,8 +394,8 @@ def test_gguf_lora_tensors_are_the_merged_exports_deltas(merged_tiny, tmp_path, 
     ids=["mntp", "dora", "token-rows", "modules-to-save", "bias", "embedding", "tied-head"],
 )
 def test_gguf_lora_refuses_what_a_llama_cpp_adapter_cannot_express(tiny_model_dirs, tmp_path, options, message):
-    from unimae.embedding_spec import EmbeddingSpec
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.embedding.spec import EmbeddingSpec
+    from unimae.export.gguf_lora import export_gguf_lora
 
     base = str(tiny_model_dirs["llama"])
     spec = EmbeddingSpec(**options.pop("spec")) if "spec" in options else None
@@ -424,8 +424,9 @@ def test_smollm2_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     """SmolLM2-135M + a small random LoRA: 20 texts within the cosine targets at f32/f16/q8_0, and 32 greedy
     tokens identical at f32 for a plain and a chat prompt."""
     from unimae.encoder import Encoder
-    from unimae.export import export, merged_model
-    from unimae.gguf_export import source_gguf, write_gguf
+    from unimae.export import export
+    from unimae.export.base import merged_model
+    from unimae.export.gguf import source_gguf, write_gguf
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
     adapter = _adapter("smollm2-135m", tmp_path / "adapter", scale=0.02)
@@ -452,8 +453,8 @@ def test_gemma3_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     own rotary bases): 20 texts within the cosine target at f32 and f16, including one past the 512-token
     window, and 24 greedy tokens identical at f32."""
     from unimae.encoder import Encoder
-    from unimae.export import merged_model
-    from unimae.gguf_export import source_gguf, write_gguf
+    from unimae.export.base import merged_model
+    from unimae.export.gguf import source_gguf, write_gguf
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
     adapter = _adapter("gemma3-270m", tmp_path / "adapter", scale=0.02)
@@ -481,7 +482,7 @@ def llamacpp_app(merged_tiny, tmp_path_factory):
     from unimae.adapter import adapter_revision
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
     from unimae.serving.config import ServerConfig
     from unimae.serving.llamacpp_engine import LlamaCppModel, create_llamacpp_app
 
@@ -547,7 +548,7 @@ def test_llamacpp_engine_rag_retrieves_like_the_index(llamacpp_app):
 
 
 def test_llamacpp_engine_refuses_an_index_of_another_adapter(llamacpp_app):
-    from unimae.index import VectorIndex
+    from unimae.retrieval.index import VectorIndex
     from unimae.serving.config import ServerConfig
     from unimae.serving.llamacpp_engine import create_llamacpp_app
 
@@ -573,7 +574,7 @@ def test_smollm2_gguf_lora_on_the_base_gguf_in_llama_cpp(tmp_path, monkeypatch):
     unimae's at f32 for a plain and a chat prompt, where the base alone answers otherwise."""
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.gguf_lora_export import export_gguf_lora
+    from unimae.export.gguf_lora import export_gguf_lora
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
     adapter = _adapter("smollm2-135m", tmp_path / "adapter", scale=0.2)

@@ -11,12 +11,12 @@ from conftest import SENTENCES, read_log, tiny_train_config
 from safetensors import safe_open
 
 from unimae.adapter import load_with_adapter, quiet_peft
-from unimae.config import TrainConfig
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.methods import Context, get_method, summary_tokens
 from unimae.models import load_model
-from unimae.trainer import train
+from unimae.training.config import TrainConfig
+from unimae.training.trainer import train
 
 
 def _method(tokenizer, **overrides):

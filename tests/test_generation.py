@@ -1,4 +1,4 @@
-"""The token loop (unimae.decoding) against ``model.generate``, and the options around it, on tiny models.
+"""The token loop (unimae.generation.decoding) against ``model.generate``, and the options around it, on tiny models.
 
 Greedy output must be token-identical to ``model.generate(do_sample=False)`` in fp32 on every
 architecture, with and without an unmerged LoRA adapter, with and without a prefix KV cache.
@@ -12,18 +12,12 @@ import pytest
 import torch
 from conftest import SENTENCES
 
-from unimae.decoding import (
-    Decoder,
-    DecodeState,
-    LlamaStep,
-    PreallocatedLayer,
-    decode_tokens,
-    eos_token_ids,
-    packed_supported,
-    start_cache,
-)
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
+from unimae.generation.decoding import Decoder, DecodeState, decode_tokens, eos_token_ids
+from unimae.generation.fast_path import LlamaStep, packed_supported
+from unimae.generation.kv_cache import PreallocatedLayer, start_cache
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import GenerationResult, generate_stream, generate_text
 from unimae.models import load_model
 
 PROMPTS = ["the cat sat on", SENTENCES[2] + " and the"]
@@ -190,7 +184,7 @@ def test_a_frozen_head_gets_a_contiguous_row_in_the_prefill(tiny_model_dirs, arc
 def test_lean_rope_equals_transformers_bit_for_bit(dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from unimae.decoding import _rope, _signed_sin
+    from unimae.generation.fast_path import _rope, _signed_sin
 
     torch.manual_seed(0)
     q, k = torch.randn(2, 6, 1, 16, dtype=dtype), torch.randn(2, 2, 1, 16, dtype=dtype)  # (B, H or H_kv, 1, hd)
@@ -202,7 +196,7 @@ def test_lean_rope_equals_transformers_bit_for_bit(dtype):
 
 
 def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
-    from unimae.kv_cache import one_query_attention
+    from unimae.generation.kv_cache import one_query_attention
 
     torch.manual_seed(0)
     q = torch.randn(1, 6, 1, 16).bfloat16()  # (1, H, 1, hd)
@@ -219,24 +213,25 @@ def test_bf16_one_query_attention_runs_in_fp32_under_autocast():
 
 @pytest.mark.skipif(not packed_supported(torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
 def test_warm_up_packs_the_decode_weights_before_the_first_request(tiny_model_dirs):
-    from unimae import decoding
+    from unimae.generation import fast_path
+    from unimae.generation.decoding import warm_up
 
     model, tokenizer = _load(tiny_model_dirs["llama"], lora=False, dtype=torch.bfloat16)
-    decoding.warm_up(model, "fp32")
-    assert model.lm_head not in decoding._PACKED
-    decoding.warm_up(model, "bf16")
-    assert model.lm_head in decoding._PACKED and model.model.layers[0].mlp.gate_proj in decoding._PACKED
+    warm_up(model, "fp32")
+    assert model.lm_head not in fast_path._PACKED
+    warm_up(model, "bf16")
+    assert model.lm_head in fast_path._PACKED and model.model.layers[0].mlp.gate_proj in fast_path._PACKED
 
 
 @pytest.mark.skipif(not packed_supported(torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
 def test_the_server_state_warms_up_a_bf16_model(tiny_model_dirs):
-    from unimae import decoding
+    from unimae.generation import fast_path
     from unimae.serving.config import ServerConfig
     from unimae.serving.state import ServerState
 
     encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="bf16", max_length=16)
     ServerState.build(encoder, ServerConfig(model_name="tiny"))
-    assert encoder.model.get_output_embeddings() in decoding._PACKED
+    assert encoder.model.get_output_embeddings() in fast_path._PACKED
 
 
 def test_generation_leaves_embeddings_and_modes_alone(tiny_model_dirs):
@@ -287,7 +282,7 @@ def test_seeded_sampling_is_reproducible_and_keeps_the_global_rng(tiny_model_dir
 
 
 def test_top_p_keeps_only_the_nucleus(tiny_model_dirs):
-    from unimae.decoding import pick_token
+    from unimae.generation.sampling import pick_token
 
     logits = torch.tensor([[5.0, 4.9, -3.0, -4.0]])  # softmax ~ [0.52, 0.47, 0.0002, 0.00006]
     generator = torch.Generator().manual_seed(0)

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from conftest import SENTENCES, build_tokenizer
 
-import unimae.pooling
-import unimae.tokenization
+import unimae.embedding.pooling
+import unimae.embedding.tokenization
 from unimae.cli import main
 from unimae.cli.embed import read_texts
+from unimae.embedding.pooling import build_inputs
+from unimae.embedding.tokenization import TextTooLongWarning, char_budget
 from unimae.encoder import Encoder
 from unimae.models import resolve_model_path
-from unimae.pooling import build_inputs
 from unimae.serving.config import ServerConfig
-from unimae.tokenization import TextTooLongWarning, char_budget
 
 MAX_LENGTH = 16
 POOLINGS = ["eos", "mean", "echo", "summary"]
@@ -90,8 +90,8 @@ def test_ids_are_those_of_the_whole_text_near_the_limit(arch, pooling, monkeypat
     texts = [source[:n] for source in HOSTILE for n in range(cut - 60, cut + 61, 3)]
     texts += [" ".join(words[:k]) for k in range(1, 40)] + HOSTILE  # fits, fits exactly, one token over ...
     bounded = _build(pooling, tokenizer, texts, options)
-    monkeypatch.setattr(unimae.pooling, "tokenize_bounded", _whole)
-    monkeypatch.setattr(unimae.tokenization, "tokenize_bounded", _whole)
+    monkeypatch.setattr(unimae.embedding.pooling, "tokenize_bounded", _whole)
+    monkeypatch.setattr(unimae.embedding.tokenization, "tokenize_bounded", _whole)
     whole = _build(pooling, tokenizer, texts, options)
     assert [(b.ids, b.pool) for b in bounded] == [(w.ids, w.pool) for w in whole]
 
@@ -169,7 +169,7 @@ def test_export_to_a_folder_that_cannot_be_written_fails_before_merging(tiny_mod
     """Before: the merge ran first (60 s for a real model), then the write failed."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr("unimae.export.merged_model", lambda *args: pytest.fail("merged before checking --output"))
+    monkeypatch.setattr("unimae.export.gguf.merged_model", lambda *args: pytest.fail("merged before checking --output"))
     argv = ["export", "--model", str(tiny_model_dirs["llama"]), "--format", "gguf", "--output"]
     assert main([*argv, str(blocker / "sub" / "model.gguf")]) == 2
     assert f"cannot write to {blocker / 'sub'} (" in capsys.readouterr().err
@@ -195,7 +195,7 @@ def test_full_disk_during_export_leaves_no_partial_folder(tiny_model_dirs, tmp_p
         (Path(directory) / "model.safetensors").write_bytes(b"half a model")
         raise failure
 
-    monkeypatch.setattr("unimae.export.save_merged", disk_full)
+    monkeypatch.setattr("unimae.export.hf.save_merged", disk_full)
     out = tmp_path / "exp"
     assert main(["export", "--model", str(tiny_model_dirs["llama"]), "--output", str(out)]) == 2
     err = capsys.readouterr().err

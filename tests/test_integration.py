@@ -19,9 +19,9 @@ def real_cache(monkeypatch):
 
 
 def test_train_a_few_steps_of_real_smollm2(real_cache, tmp_path):
-    from unimae.config import TrainConfig
     from unimae.encoder import Encoder
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     config = TrainConfig(
         output_dir=str(tmp_path / "run"), steps=2, batch_size=4, micro_batch_size=2, max_length=48, save_every=1
@@ -89,10 +89,10 @@ def test_corrupt_gguf_cache_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_real_model_rag_reuses_the_query_cache_without_changing_the_answer(smollm2_encoder, tmp_path):
-    from unimae.corpus import load_passages
-    from unimae.generation import GenerationParams
-    from unimae.index import VectorIndex
-    from unimae.rag import RAG
+    from unimae.data.corpus import load_passages
+    from unimae.generation.sampling import GenerationParams
+    from unimae.retrieval.index import VectorIndex
+    from unimae.retrieval.rag import RAG
 
     passages = load_passages("enwiki-gensim:heldout")[:40]
     rag = RAG(smollm2_encoder, VectorIndex.build(smollm2_encoder, passages, tmp_path / "index"))

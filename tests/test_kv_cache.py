@@ -1,5 +1,6 @@
-"""The shared KV pool of the lean decode step and the batched prefill (unimae.kv_cache, Decoder.prefill_many),
-on tiny Llama / Qwen2 models in fp32: every row's greedy tokens equal those of the row decoded alone."""
+"""The shared KV pool of the lean decode step and the batched prefill (unimae.generation.kv_cache,
+Decoder.prefill_many), on tiny Llama / Qwen2 models in fp32: every row's greedy tokens equal those of the row decoded
+alone."""
 
 import gc
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 from conftest import SENTENCES
 
-from unimae.decoding import Decoder, decode_tokens
-from unimae.generation import GenerationParams
-from unimae.kv_cache import KVPool
+from unimae.generation.decoding import Decoder, decode_tokens
+from unimae.generation.kv_cache import KVPool
+from unimae.generation.sampling import GenerationParams
 from unimae.models import load_model
 
 

@@ -21,7 +21,7 @@ def test_rows_pack_one_context_up_to_the_limit():
 
 
 def test_branches_see_the_context_and_themselves():
-    from unimae.attention import branches_allowed
+    from unimae.embedding.attention import branches_allowed
 
     allowed = branches_allowed(torch.tensor([[0, 0, 1, 1, 2, -1]]))[0]
     assert allowed[3].tolist() == [True, True, True, True, False, False]

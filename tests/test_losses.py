@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from unimae.data.masking import UniMAECollator
 from unimae.losses import MRCLoss, TinyDecoder, chunked_cross_entropy, per_example_mean
-from unimae.masking import UniMAECollator
 
 
 @pytest.mark.parametrize("recompute_above_mb", [0.0, 1024.0])  # recompute every chunk / keep them all

@@ -2,7 +2,7 @@
 
 import torch
 
-from unimae.masking import UniMAECollator, example_generator, mar_corrupt, mrc_visibility
+from unimae.data.masking import UniMAECollator, example_generator, mar_corrupt, mrc_visibility
 
 
 def test_mrc_diagonal_hidden_eos_visible_pads_hidden():

@@ -9,14 +9,14 @@ import torch
 from conftest import SENTENCES, read_log, tiny_train_config
 
 from unimae.adapter import adapter_meta
-from unimae.config import TrainConfig, add_config_arguments
-from unimae.corpus import CorpusError
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.data.corpus import CorpusError
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.losses.objective import Objective
 from unimae.methods import METHOD_REGISTRY, Context, Method, get_method, load_pairs, summary_tokens
 from unimae.models import load_model
-from unimae.trainer import train
+from unimae.training.config import TrainConfig, add_config_arguments
+from unimae.training.trainer import train
 
 
 def _config(tiny_dir, data, out, **overrides):
@@ -187,9 +187,9 @@ def test_simcse_views_differ_from_the_first_step(tiny_model_dirs, arch):
     """A fresh LoRA has B = 0, so only attention dropout can make SimCSE's two views of a text differ."""
     import torch
 
-    from unimae.attention import set_attention_dropout
+    from unimae.embedding.attention import set_attention_dropout
+    from unimae.embedding.pooling import pooled_forward
     from unimae.models import load_model
-    from unimae.pooling import pooled_forward
 
     llm, tokenizer, _ = load_model(str(tiny_model_dirs[arch]), dtype=torch.float32)
     ids = tokenizer(["the cat sat on the mat"], return_tensors="pt")
@@ -214,7 +214,7 @@ def test_simcse_views_differ_from_the_first_step(tiny_model_dirs, arch):
 def test_attention_dropout_needs_attention_layers():
     import torch
 
-    from unimae.attention import set_attention_dropout
+    from unimae.embedding.attention import set_attention_dropout
 
     with pytest.raises(ValueError, match="no attention layer"):
         set_attention_dropout(torch.nn.Linear(2, 2), 0.1)

@@ -4,10 +4,10 @@ import torch
 from conftest import SENTENCES
 from peft import LoraConfig, get_peft_model
 
+from unimae.data.masking import UniMAECollator
+from unimae.embedding.tokenization import choose_mask_token, encode_with_eos
 from unimae.losses import UniMAEObjective
-from unimae.masking import UniMAECollator
 from unimae.models import load_model
-from unimae.tokenization import choose_mask_token, encode_with_eos
 
 
 def _objective(tiny_dir, alpha=0.1):
@@ -58,10 +58,10 @@ def test_loss_decreases_when_overfitting(tiny_dir):
 
 def test_train_mask_token_trains_only_that_embedding_row(tiny_model_dirs, tmp_path):
     from unimae.adapter import load_with_adapter
-    from unimae.config import TrainConfig
+    from unimae.embedding.tokenization import choose_mask_token
     from unimae.models import load_model
-    from unimae.tokenization import choose_mask_token
-    from unimae.trainer import train
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
 
     tiny = str(tiny_model_dirs["llama"])
     corpus = tmp_path / "c.txt"

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from conftest import SENTENCES
 
-from unimae.corpus import CorpusError, load_passages
+from unimae.data.corpus import CorpusError, load_passages
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams
-from unimae.index import IndexConfig, VectorIndex, VectorIndexError
-from unimae.rag import RAG
+from unimae.generation.sampling import GenerationParams
+from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError
+from unimae.retrieval.rag import RAG
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
 
@@ -68,7 +68,7 @@ def test_index_refuses_other_passages_and_incomplete_folders(encoder, tmp_path):
 
 
 def test_damaged_index_files_and_empty_builds_are_clear_errors(encoder, tmp_path):
-    from unimae.rag import load_index_and_encoder
+    from unimae.retrieval.rag import load_index_and_encoder
 
     with pytest.raises(VectorIndexError, match="no passages"):
         VectorIndex.build(encoder, [], tmp_path / "empty")
@@ -193,7 +193,7 @@ def _as_before_hashes(directory) -> None:
 def test_an_index_without_recorded_hashes_loads_with_a_warning(encoder, tmp_path, caplog):
     VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")
     _as_before_hashes(tmp_path / "idx")
-    with caplog.at_level("WARNING", logger="unimae.index"):
+    with caplog.at_level("WARNING", logger="unimae.retrieval.index"):
         assert len(VectorIndex.load(tmp_path / "idx")) == len(PASSAGES)
     assert "index.faiss is not verified" in caplog.text
 

@@ -18,8 +18,8 @@ from conftest import SENTENCES
 
 from unimae.cli import main
 from unimae.encoder import Encoder
-from unimae.index import IndexConfig, VectorIndex, VectorIndexError
-from unimae.ray_index import EncoderLoad, RayConfig, _ray, build_on_ray
+from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError
+from unimae.retrieval.ray_index import EncoderLoad, RayConfig, _ray, build_on_ray
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")  # Ray's own settings
 
@@ -29,8 +29,8 @@ SAME = ("embedding", "dim", "count", "passages", "precision", "merged", "max_len
 JOB = """
 import json, sys, time
 import ray
-from unimae.index import IndexConfig
-from unimae.ray_index import EncoderLoad, RayConfig, build_on_ray
+from unimae.retrieval.index import IndexConfig
+from unimae.retrieval.ray_index import EncoderLoad, RayConfig, build_on_ray
 
 def patch_encoder():  # runs in every worker of this job
     from unimae.encoder import Encoder
@@ -127,7 +127,7 @@ def test_ray_engine_gives_the_single_process_vectors_and_top_k(local_ray, tiny_l
 
     shutil.copytree(tmp_path / "ray", tmp_path / "disk")  # every shard there: no worker embeds again
     assert main([*args[:-1], str(tmp_path / "disk"), "--store", "disk"]) == 0, capsys.readouterr().err
-    from unimae.disk_index import DiskIndex, open_index
+    from unimae.retrieval.disk_index import DiskIndex, open_index
 
     disk = open_index(tmp_path / "disk")
     assert isinstance(disk, DiskIndex)

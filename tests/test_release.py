@@ -16,7 +16,7 @@ from unimae.cli import main
 from unimae.encoder import Encoder
 from unimae.release import card_scores, make_release, resolve_adapter
 from unimae.release_card import CardInputs, build_card, train_command
-from unimae.trainer import train
+from unimae.training.trainer import train
 
 
 @pytest.fixture

@@ -16,9 +16,11 @@ import pytest
 import torch
 from conftest import SENTENCES
 
-from unimae.decoding import decode_tokens, eos_token_ids, packed_supported
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
+from unimae.generation.decoding import decode_tokens, eos_token_ids
+from unimae.generation.fast_path import packed_supported
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import GenerationResult, generate_stream, generate_text
 from unimae.models import load_model
 from unimae.serving.model_lock import THREAD_NAME as MODEL_THREAD
 from unimae.serving.model_lock import ModelLock
@@ -425,7 +427,7 @@ def test_requests_arriving_together_are_prefilled_together_within_the_token_budg
     """One turn on the model lock prefills at most ``prefill_tokens`` padded tokens (a longer prompt alone), so an
     embedding chunk waits for at most about that; within it, one forward for all (Decoder.prefill_many). The
     scheduler's thread builds its Decoder through the closed lock, so all three are waiting when it opens."""
-    from unimae.decoding import Decoder
+    from unimae.generation.decoding import Decoder
 
     model, tokenizer = _load(tiny_model_dirs["llama"])
     prompts, params = [tokenizer(s)["input_ids"] for s in SENTENCES[:3]], GenerationParams(max_new_tokens=5)

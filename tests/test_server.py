@@ -26,7 +26,7 @@ import pytest
 from conftest import SENTENCES
 
 from unimae.encoder import Encoder
-from unimae.index import VectorIndex
+from unimae.retrieval.index import VectorIndex
 
 openai = pytest.importorskip("openai")
 KEY = "test-key"
@@ -37,7 +37,7 @@ GATED_SERVE = """
 import sys
 
 from unimae.cli import main
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 
 forward, gate_open = EmbeddingSpec.forward, False
 
@@ -319,7 +319,7 @@ def test_more_edge_cases_get_clean_4xx(server):
 )
 def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monkeypatch, one_at_a_time):
     import unimae.serving.routes.completions as completions_module
-    from unimae.generation import GenerationResult
+    from unimae.generation.stream import GenerationResult
     from unimae.serving.app import create_app
     from unimae.serving.config import ServerConfig
 

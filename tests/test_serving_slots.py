@@ -252,7 +252,7 @@ def test_a_completion_whose_client_leaves_ends_its_generation_and_frees_its_slot
 
     from conftest import build_tokenizer
 
-    from unimae.generation import GenerationParams
+    from unimae.generation.sampling import GenerationParams
     from unimae.serving.routes.completions import _generate
 
     ended = threading.Event()

@@ -1,4 +1,4 @@
-"""unimae.threads: the OpenMP wait policy set before torch loads, never over the user's choice."""
+"""unimae.runtime.threads: the OpenMP wait policy set before torch loads, never over the user's choice."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from unimae.threads import DEFAULT_SPIN, default_spin
+from unimae.runtime.threads import DEFAULT_SPIN, default_spin
 
 
 def _spin_in_fresh_process(env: dict[str, str]) -> str:

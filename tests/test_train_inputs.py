@@ -4,10 +4,10 @@ config files, impossible numbers. Each is one clear error that writes and delete
 import pytest
 from conftest import read_log, tiny_train_config
 
-from unimae.checkpoint import CheckpointError, checkpoint_dir
 from unimae.cli import main
-from unimae.config import TrainConfig, resolve_config
-from unimae.trainer import train
+from unimae.training.checkpoint import CheckpointError, checkpoint_dir
+from unimae.training.config import TrainConfig, resolve_config
+from unimae.training.trainer import train
 
 
 def _checkpoints(out) -> list[str]:

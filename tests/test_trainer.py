@@ -6,11 +6,12 @@ import signal
 import pytest
 import torch
 
-from unimae import trainer
-from unimae.checkpoint import CheckpointError, checkpoint_dir
-from unimae.config import TrainConfig
+from unimae.data.order import DataOrder
 from unimae.encoder import Encoder
-from unimae.trainer import train
+from unimae.training import trainer
+from unimae.training.checkpoint import CheckpointError, checkpoint_dir
+from unimae.training.config import TrainConfig
+from unimae.training.trainer import train
 
 
 def _config(tiny_dir, corpus_file, out, **overrides):
@@ -117,7 +118,7 @@ def _signal_during_step(monkeypatch, step: int, batch_size: int, signals: list[i
     Examples are picked only inside the training loop, after train() installed its stop handler; that
     handler (not pytest's) is checked before any signal is sent, so none can reach the test process.
     """
-    real_text_index = trainer.DataOrder.text_index
+    real_text_index = DataOrder.text_index
     pytest_handlers = {sig: signal.getsignal(sig) for sig in signals}
     pending = [(step - 1) * batch_size]  # global index of the step's first example
 
@@ -130,7 +131,7 @@ def _signal_during_step(monkeypatch, step: int, batch_size: int, signals: list[i
                 signal.raise_signal(sig)
         return real_text_index(self, example)
 
-    monkeypatch.setattr(trainer.DataOrder, "text_index", text_index)
+    monkeypatch.setattr(DataOrder, "text_index", text_index)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

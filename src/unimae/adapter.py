@@ -16,12 +16,14 @@ import contextlib
 import hashlib
 import json
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write_json, read_json
+from unimae.models import grow_vocabulary, load_model, load_tokenizer
 
 ADAPTER_META = "unimae.json"
 INIT_ADAPTER = "init_adapter"  # a stage-1 adapter (kept inside a stage-2 one) merged into the base first
@@ -85,8 +87,6 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         model = attach_adapter(model.float(), directory / meta["init_adapter"]).merge_and_unload().to(dtype)
     rows = trained_token_rows(config)
     if rows:  # rows of tokens the training added (GEM's summary tokens): grow the base as training did
-        from unimae.models import grow_vocabulary
-
         grow_vocabulary(model, max(rows) + 1)
     weights = next(directory.glob("adapter_model.*"), directory / "adapter_model.safetensors")
     try:
@@ -116,11 +116,17 @@ def _mismatch_summary(err: RuntimeError) -> str:
     )
 
 
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str) -> None:
+    """ValueError "{what}: weight {name} holds NaN or infinite values; {fix}" for the first (name, tensor) pair
+    that does."""
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{what}: weight {name} holds NaN or infinite values; {fix}")
+
+
 def _check_finite_file(weights: Path) -> None:
     """ValueError naming ``weights`` (a .safetensors adapter file) if a tensor in it holds NaN or infinite values."""
     from safetensors import safe_open
-
-    from unimae.checkpoint import check_finite
 
     if weights.suffix != ".safetensors":
         return
@@ -152,8 +158,6 @@ def load_with_adapter(model: str, adapter: str | Path | None, dtype: torch.dtype
     Merging happens in float32 (exact) and the merged weights are then cast to ``dtype``; unmerged, the
     base is loaded in ``dtype`` and the LoRA weights stay float32 beside it, as in training.
     """
-    from unimae.models import load_model, load_tokenizer
-
     merge = merge and adapter is not None
     llm, tokenizer, path = load_model(model, dtype=torch.float32 if merge else dtype)
     if adapter is not None:

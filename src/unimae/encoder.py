@@ -21,14 +21,16 @@ import torch
 from tqdm.auto import tqdm
 
 from unimae.adapter import embedding_spec, load_with_adapter, skip_input_upcast
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.generation import GenerationParams, generate_text
-from unimae.kv_cache import returned_cache
-from unimae.pooling import PooledInput, pool
-from unimae.precision import autocast, default_device, resolve_precision, weight_dtype
+from unimae.embedding.pooling import PooledInput, pool
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import pad_batch
+from unimae.embedding.vectors import finish_embeddings
+from unimae.generation.kv_cache import returned_cache
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import generate_text
 from unimae.release import resolve_adapter
-from unimae.runtime import tune_allocator
-from unimae.tokenization import pad_batch
+from unimae.runtime.memory import tune_allocator
+from unimae.runtime.precision import autocast, default_device, resolve_precision, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +209,7 @@ class Encoder:
         """Embed one text and keep the forward pass's KV cache: (vector (D,), input ids, cache).
 
         The ids are exactly what :meth:`encode` feeds the model (the prompt's tokens included), so a generation
-        prompt that starts with them can reuse the cache as its prefix (``unimae.rag``). The vector equals
+        prompt that starts with them can reuse the cache as its prefix (``unimae.retrieval.rag``). The vector equals
         ``encode([text], prompt_name=prompt_name)[0]``.
         """
         if self.attention != "causal":
@@ -255,7 +257,6 @@ class Encoder:
 
 
 _POOLING_OPTIONS = ("summary_ids", "echo_template")
-EMBEDDING_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 
 
 def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> None:
@@ -273,30 +274,6 @@ def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> 
             dimensions,
             trained,
         )
-
-
-def finish_embeddings(
-    vectors: np.ndarray, dimensions: int | None, normalize: bool, precision: str = "float32", **quantize_options
-) -> np.ndarray:
-    """(N, D) float32 -> the first ``dimensions`` coordinates, L2-normalised if asked (after truncation, as
-    Matryoshka models are used), then quantized to ``precision`` by sentence-transformers."""
-    if precision not in EMBEDDING_PRECISIONS:
-        raise ValueError(f"precision must be one of {list(EMBEDDING_PRECISIONS)}, got {precision!r}")
-    out = vectors[:, :dimensions] if dimensions else vectors  # (N, k)
-    if normalize and len(out):  # the same op as encode_inputs(normalize=True), row by row
-        out = torch.nn.functional.normalize(torch.from_numpy(np.ascontiguousarray(out)), dim=-1).numpy()
-    if precision == "float32":
-        return np.ascontiguousarray(out, dtype=np.float32)
-    try:
-        try:
-            from sentence_transformers.util.quantization import quantize_embeddings
-        except ImportError:  # sentence-transformers < 5.1
-            from sentence_transformers.quantization import quantize_embeddings
-    except ImportError as err:
-        raise ImportError(
-            f"precision={precision!r} quantizes with sentence-transformers: pip install 'unimae[eval]'"
-        ) from err
-    return quantize_embeddings(out, precision=precision, **quantize_options)
 
 
 def _resolve_spec(trained: EmbeddingSpec, pooling: str, attention: str | None, kwargs: dict) -> EmbeddingSpec:

@@ -2,7 +2,7 @@
 
 A release folder holds what a user needs to embed and generate with it and nothing to train it further:
 ``adapter_model.safetensors`` (the LoRA weights in bf16), ``adapter_config.json``, ``unimae.json`` (base model,
-its fingerprint, the :class:`~unimae.embedding_spec.EmbeddingSpec` with its prompts and Matryoshka dimensions,
+its fingerprint, the :class:`~unimae.embedding.spec.EmbeddingSpec` with its prompts and Matryoshka dimensions,
 the training config) and a model card ``README.md`` in the Hugging Face format, whose ``model-index`` and tables
 are generated from the evaluation's result files (``unimae release --card-only`` regenerates it).
 

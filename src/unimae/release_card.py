@@ -15,9 +15,10 @@ import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from unimae.config import TrainConfig
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
+from unimae.training.config import TrainConfig
 
 # The base models of the offline short names: the Hugging Face ids and licences a card names.
 BASE_MODELS = {
@@ -126,8 +127,6 @@ def _front_matter(name: str, meta: dict, tasks: dict[str, dict], folder: Path) -
 
 
 def _intro(name: str, meta: dict) -> str:
-    from unimae.embedding_spec import EmbeddingSpec
-
     spec = EmbeddingSpec.from_dict(meta.get("embedding"))
     model = meta.get("base_model", "")
     _, _, licence = BASE_MODELS.get(model, (model, "", "the base model's"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from unimae.pooling import POOLINGS
-from unimae.precision import PRECISIONS
+from unimae.embedding.pooling import POOLINGS
+from unimae.runtime.precision import PRECISIONS
 
 DEFAULT_MODEL = "smollm2-135m"
 Handler = Callable[[argparse.Namespace], int]
@@ -14,7 +14,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default once: not where the help already states it (the dataclass flags of
-    :func:`unimae.config.add_dataclass_arguments` do), nor for an unset (None) or off (False) default."""
+    :func:`unimae.training.config.add_dataclass_arguments` do), nor for an unset (None) or off (False) default."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

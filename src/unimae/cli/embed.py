@@ -58,7 +58,7 @@ def read_texts(texts: list[str], source: str | None, field: str = "text") -> lis
     if texts:
         return [utf8_argument(text, f"text argument {i}") for i, text in enumerate(texts, 1)]
     if source and source != "-":
-        from unimae.corpus import load_texts
+        from unimae.data.corpus import load_texts
 
         if not Path(source).is_file():
             raise FileNotFoundError(f"input file {source} does not exist")

@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-from unimae.attention import ATTENTION_RULES
 from unimae.cli.arguments import (
     DEFAULT_MODEL,
     adapter_argument,
@@ -16,6 +15,7 @@ from unimae.cli.arguments import (
     add_model_arguments,
     add_pooling_argument,
 )
+from unimae.embedding.attention import ATTENTION_RULES
 from unimae.evaluation.generation import SCORERS
 
 
@@ -142,7 +142,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from unimae.check import run_check
+    from unimae.evaluation.check import run_check
 
     result = run_check(args.model, args.adapter, sts=args.sts, max_paragraphs=args.max_paragraphs)
     print(result.table())
@@ -207,7 +207,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _figures(args: argparse.Namespace) -> int:
-    from unimae.embedding_spec import EmbeddingSpec
+    from unimae.embedding.spec import EmbeddingSpec
     from unimae.encoder import Encoder
     from unimae.evaluation.figures import category_bars, clustering_sample, tsne_figure
 

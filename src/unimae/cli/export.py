@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from unimae.cli.arguments import ADAPTER_HELP, DEFAULT_MODEL, adapter_argument, add_command
-from unimae.export import FORMATS
-from unimae.gguf_export import GGUF_TYPES
+from unimae.export.base import FORMATS
+from unimae.export.gguf import GGUF_TYPES
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from unimae.cli.arguments import add_command, add_model_arguments
 from unimae.cli.embed import utf8_argument
-from unimae.index import INDEX_KINDS
+from unimae.retrieval.index import INDEX_KINDS
 
 STORES = ("memory", "disk")
 ENGINES = ("local", "ray")
@@ -86,7 +86,7 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
 
 def _index(args: argparse.Namespace) -> int:
     from unimae.adapter import adapter_revision, model_revision
-    from unimae.corpus import load_passages
+    from unimae.data.corpus import load_passages
 
     config = _index_config(args)
     passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
@@ -106,8 +106,8 @@ def _index(args: argparse.Namespace) -> int:
 
 def _index_config(args: argparse.Namespace):
     """The IndexConfig (--store memory) or DiskIndexConfig (--store disk) the flags ask for."""
-    from unimae.disk_index import DiskIndexConfig
-    from unimae.index import IndexConfig
+    from unimae.retrieval.disk_index import DiskIndexConfig
+    from unimae.retrieval.index import IndexConfig
 
     common = {"shard_size": args.shard_size, "batch_size": args.batch_size, "dimensions": args.dimensions}
     names = ("nlist", "nprobe", "pq_m", "rerank", "target_recall")
@@ -122,9 +122,9 @@ def _index_config(args: argparse.Namespace):
 
 
 def _build_here(args: argparse.Namespace, passages: list, config, source: dict):
-    from unimae.disk_index import DiskIndex, DiskIndexConfig
     from unimae.encoder import Encoder
-    from unimae.index import VectorIndex
+    from unimae.retrieval.disk_index import DiskIndex, DiskIndexConfig
+    from unimae.retrieval.index import VectorIndex
 
     encoder = Encoder.from_pretrained(
         args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision
@@ -134,7 +134,7 @@ def _build_here(args: argparse.Namespace, passages: list, config, source: dict):
 
 
 def _build_on_ray(args: argparse.Namespace, passages: list, config, source: dict):
-    from unimae.ray_index import EncoderLoad, RayConfig, build_on_ray
+    from unimae.retrieval.ray_index import EncoderLoad, RayConfig, build_on_ray
 
     load = EncoderLoad(args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision)
     ray_config = RayConfig(
@@ -147,8 +147,8 @@ def _build_on_ray(args: argparse.Namespace, passages: list, config, source: dict
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from unimae.generation import GenerationParams
-    from unimae.rag import RAG, RAGAnswer, RAGConfig, load_index_and_encoder
+    from unimae.generation.sampling import GenerationParams
+    from unimae.retrieval.rag import RAG, RAGAnswer, RAGConfig, load_index_and_encoder
 
     question = utf8_argument(args.question, "the question")
     encoder, index = load_index_and_encoder(args.index, args.model, args.adapter, precision=args.precision)

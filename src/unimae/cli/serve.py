@@ -17,8 +17,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
-from unimae.config import add_dataclass_arguments
 from unimae.serving.config import ServerConfig, check_api_key
+from unimae.training.config import add_dataclass_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
         raise ValueError("--model, --adapter and --merge are for --engine torch; the GGUF already holds the merge")
     index = None
     if args.index:
-        from unimae.disk_index import open_index
+        from unimae.retrieval.disk_index import open_index
 
         index = open_index(args.index)
     model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots)
@@ -103,7 +103,7 @@ def _load_encoder(args: argparse.Namespace) -> tuple:
     """(encoder, index or None, model name): the index's model and adapter with --index, else --model."""
     merge = True if args.merge else None
     if args.index:
-        from unimae.rag import load_index_and_encoder
+        from unimae.retrieval.rag import load_index_and_encoder
 
         encoder, index = load_index_and_encoder(args.index, args.model, args.adapter, args.precision, merge)
         return encoder, index, args.model or index.manifest["model"]

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from unimae.cli.arguments import add_command
-from unimae.config import TrainConfig, add_config_arguments, resolve_config
+from unimae.training.config import TrainConfig, add_config_arguments, resolve_config
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from unimae.trainer import train
+    from unimae.training.trainer import train
 
     if args.resume:
         saved = Path(getattr(args, "output_dir", TrainConfig.output_dir)) / "config.json"

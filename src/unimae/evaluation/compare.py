@@ -12,13 +12,16 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unimae.encoder import Encoder
 from unimae.evaluation.embeddings import adapter_label, evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
+from unimae.evaluation.figures import CLUSTERING_TASK, category_bars, clustering_sample, tsne_figure
 from unimae.evaluation.generation import (
     GENERATION_TASKS,
     HEADLINE_METRIC,
     check_generation_data,
     evaluate_generation,
 )
+from unimae.evaluation.reference import MINILM_LABEL, load_minilm
 from unimae.evaluation.summary import write_summary
 
 
@@ -53,8 +56,6 @@ def run_compare(config: CompareConfig) -> dict[str, str]:
     Everything that can be checked without a model is checked first (row names, the generation data), so a
     mistake fails before hours of embedding evaluation. One adapter's model is in memory at a time.
     """
-    from unimae.evaluation.figures import category_bars, tsne_figure
-
     names = _row_names(config)
     if config.generation:
         check_generation_data(config.data_dir, GENERATION_TASKS)
@@ -89,8 +90,6 @@ def _row_names(config: CompareConfig) -> dict[str, str | None]:
 
 def _clustering_sample(data_dir: Path | None) -> tuple[list[str], list[str]] | None:
     """The t-SNE figure's texts and classes, or None when the data has no TwentyNewsgroups clustering set."""
-    from unimae.evaluation.figures import CLUSTERING_TASK, clustering_sample
-
     if data_dir is None or not (Path(data_dir) / "clustering" / CLUSTERING_TASK / "test.jsonl").is_file():
         return None
     return clustering_sample(Path(data_dir))
@@ -101,8 +100,6 @@ def _embedding_rows(
 ) -> tuple[list[str], dict]:
     """Evaluate the base poolings, each adapter with its own pooling and the reference; (row labels, t-SNE
     panels: the base's eos and each adapter's embeddings of ``texts``)."""
-    from unimae.encoder import Encoder
-
     labels, panels = [], {}
     for name, adapter in names.items():
         encoder = Encoder.from_pretrained(config.model, adapter=adapter, max_length=config.max_length)
@@ -126,8 +123,6 @@ def _embedding_rows(
             panels["base eos" if adapter is None else f"{name}-{encoder.pooling}"] = panel.encode(texts)
         del encoder  # one model in memory at a time
     if config.reference:
-        from unimae.evaluation.reference import MINILM_LABEL, load_minilm
-
         evaluate_model_on_tasks(
             load_minilm(), tasks, emb_dir, MINILM_LABEL, {"model": MINILM_LABEL}, config.data_dir, config.batch_size
         )

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unimae.adapter import adapter_revision, model_revision
+from unimae.encoder import Encoder
+from unimae.evaluation.embedding_cache import EmbeddingCache, namespace_key
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
 from unimae.files import atomic_write, atomic_write_json
-from unimae.runtime import cpu_model
+from unimae.runtime.memory import cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -308,8 +310,6 @@ def _open_cache(output_dir: Path, encoder, model: str, weights: str | None, revi
     """The embedding cache of ``output_dir``, under a namespace of everything that changes ``encoder``'s vectors:
     model (and a local folder's weights), adapter weights, pooling and its options, max length, precision,
     a merged adapter, a non-causal attention rule."""
-    from unimae.evaluation.embedding_cache import EmbeddingCache, namespace_key
-
     namespace = namespace_key(
         model=model,
         **({"model_revision": weights} if weights else {}),
@@ -351,8 +351,7 @@ def evaluate_embeddings(
     ``dimensions``: score the first k coordinates (Matryoshka; cosine similarity, so no re-normalisation is
     needed); the cache holds the full vectors, so every size after the first costs only the scoring.
     """
-    from unimae.encoder import Encoder
-    from unimae.evaluation.mteb_model import MTEBEncoder
+    from unimae.evaluation.mteb_model import MTEBEncoder  # imported here: that module imports mteb, an optional extra
 
     encoder = encoder or Encoder.from_pretrained(
         model,

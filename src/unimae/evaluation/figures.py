@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.evaluation.summary import CATEGORIES
+from unimae.evaluation.summary import CATEGORIES, task_type
 
 CLUSTERING_TASK = "TwentyNewsgroupsClustering"  # the paper's t-SNE figure
 
@@ -63,8 +63,6 @@ def category_bars(summary_json: Path, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from unimae.evaluation.summary import task_type
 
     summary = json.loads(Path(summary_json).read_text())
     methods = list(summary)

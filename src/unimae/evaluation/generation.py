@@ -19,7 +19,12 @@ import logging
 import time
 from pathlib import Path
 
+from unimae.adapter import adapter_revision, load_with_adapter, model_revision
+from unimae.data.corpus import enwiki_gensim_paragraphs
+from unimae.evaluation.embeddings import same_run, versions
 from unimae.files import atomic_write_json, read_json
+from unimae.runtime.memory import cpu_model
+from unimae.runtime.precision import default_device, resolve_precision, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +56,6 @@ def check_generation_data(data_dir: Path | None, tasks: list[str]) -> None:
 
 def write_task_configs(target: Path, data_dir: Path | None, tasks: list[str]) -> Path:
     """Render the task YAMLs with absolute data paths into ``target`` (an lm-eval include_path)."""
-    from unimae.corpus import enwiki_gensim_paragraphs
-
     target.mkdir(parents=True, exist_ok=True)
     heldout = target / "wiki_heldout.jsonl"
     if "wiki_heldout" in tasks:
@@ -147,10 +150,6 @@ def evaluate_generation(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from unimae.adapter import adapter_revision, model_revision
-    from unimae.evaluation.embeddings import versions
-    from unimae.precision import default_device, resolve_precision
-
     if scorer not in SCORERS:
         raise ValueError(f"unknown scorer {scorer!r}; choose from {sorted(SCORERS)}")
     tasks = tasks or GENERATION_TASKS
@@ -192,8 +191,6 @@ def finished_tasks(folder: Path, tasks: list[str], meta: dict) -> dict[str, dict
     As for embeddings (:func:`~unimae.evaluation.embeddings.same_run`), an adapter is matched by its content
     hash, not its path (``runs/a/adapter`` and ``./runs/a/adapter/`` are one run). Records written before
     ``model_revision`` existed were all run on registry names or Hub ids, whose revision is None."""
-    from unimae.evaluation.embeddings import same_run
-
     records = {}
     for task in tasks:
         path = folder / f"{task}.json"
@@ -210,10 +207,6 @@ def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: 
     """Evaluate ``tasks`` one by one on the model of ``meta``; write each task's record as it finishes."""
     import lm_eval
     import torch
-
-    from unimae.adapter import load_with_adapter
-    from unimae.precision import default_device, weight_dtype
-    from unimae.runtime import cpu_model
 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
@@ -262,7 +255,7 @@ def build_scorer(name: str, model, tokenizer, batch_size: int, max_length: int):
     if name == "hf":
         from lm_eval.models.huggingface import HFLM as scorer_class
     else:
-        from unimae.evaluation.lm_eval_model import ScoredLM as scorer_class
+        from unimae.evaluation.lm_eval_model import ScoredLM as scorer_class  # imports lm-eval, an optional extra
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.tie_weights = lambda *args, **kwargs: None  # an instance attribute shadows the method
     try:

@@ -9,7 +9,7 @@ windows, generation, lm-eval's request cache and its metrics) and overrides ``_l
 
 - requests with the same (truncated) context are packed into one row, ``context + continuation_1[:-1] +
   continuation_2[:-1] + ...``, each continuation attending to the context and to itself only
-  (:func:`unimae.attention.branches_allowed`, a 4D mask) and numbered from the context's end (position ids),
+  (:func:`unimae.embedding.attention.branches_allowed`, a 4D mask) and numbered from the context's end (position ids),
   so each is scored exactly as in its own row;
 - the head and an fp32 log-softmax run on the scored positions only, in row chunks (a rolling window of 2k
   tokens scores every position).
@@ -30,7 +30,7 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
-from unimae.attention import branches_allowed, sliding_window, to_model_mask
+from unimae.embedding.attention import branches_allowed, sliding_window, to_model_mask
 from unimae.losses.cross_entropy import head_logits, logit_softcap, output_projection
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]  # (cache key, context tokens, continuation tokens)

@@ -16,7 +16,7 @@ import numpy as np
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
-from unimae.embedding_spec import with_prompt
+from unimae.embedding.spec import with_prompt
 from unimae.encoder import Encoder
 from unimae.evaluation.embedding_cache import EmbeddingCache
 

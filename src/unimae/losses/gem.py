@@ -24,13 +24,13 @@ import math
 import torch
 from torch import nn
 
-from unimae.attention import model_attention_mask
-from unimae.losses.contrastive import info_nce
+from unimae.embedding.attention import model_attention_mask
+from unimae.embedding.pooling import pooled_forward
+from unimae.embedding.tokenization import position_ids_from_mask
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.mar import MARLoss
+from unimae.losses.info_nce import info_nce
+from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
-from unimae.pooling import pooled_forward
-from unimae.tokenization import position_ids_from_mask
 
 
 class GEMObjective(Objective):
@@ -56,7 +56,7 @@ class GEMObjective(Objective):
         self.max_log_scale = math.log(max_logit_scale)
         initial = torch.tensor(math.log(1.0 / temperature), dtype=torch.float32)
         self.log_scale = nn.Parameter(initial, requires_grad=learn_logit_scale)
-        self.ntp = MARLoss(chunk_size, logit_softcap(llm.config))
+        self.ntp = NextTokenLoss(chunk_size, logit_softcap(llm.config))
         self.step = 0
 
     def set_step(self, step: int) -> None:
@@ -78,7 +78,7 @@ class GEMObjective(Objective):
                 position_ids=position_ids_from_mask(batch["attention_mask"]),
                 use_cache=False,
             ).last_hidden_state  # (B, T, D)
-            head = self.llm.get_output_embeddings()  # a tied head: with the trained summary rows (MARLoss)
+            head = self.llm.get_output_embeddings()  # a tied head: with the trained summary rows (NextTokenLoss)
             loss = self.ntp(hidden, batch["input_ids"], batch["attention_mask"], head, ~batch["summary"])
             if self.log_scale.requires_grad:  # DDP wants every trainable parameter in the graph; gradient 0
                 loss = loss + 0.0 * self.log_scale

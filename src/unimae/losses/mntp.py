@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unimae.attention import model_attention_mask
+from unimae.embedding.attention import model_attention_mask
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.mar import MARLoss
+from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
 
 
@@ -26,7 +26,7 @@ class MNTPObjective(Objective):
 
     def __init__(self, llm: nn.Module, chunk_size: int = 1024):
         super().__init__(llm)
-        self.ntp = MARLoss(chunk_size, logit_softcap(llm.config))
+        self.ntp = NextTokenLoss(chunk_size, logit_softcap(llm.config))
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         mask = model_attention_mask("bidirectional", batch["attention_mask"], self.llm)

@@ -3,7 +3,7 @@
 The tiny decoder rebuilds the ORIGINAL tokens from ``h_eos``:
 - queries ``H1 = [h_eos + p_1, ..., h_eos + p_N]`` (query i predicts x_i)   (Eq. 3)
 - keys/values ``H2 = [h_eos, e_{x_1} + p_1, ..., e_{x_N} + p_N]``           (Eq. 3)
-- attention restricted by the Bernoulli mask M of ``unimae.masking``         (Eq. 4)
+- attention restricted by the Bernoulli mask M of ``unimae.data.masking``         (Eq. 4)
 - logits through the LLM's output head; ``L_MRC = sum_i CE(x_i | ...)``     (Eq. 5)
 Every position of the text is a target, BOS and EOS included (the paper rebuilds "the original text";
 a BOS target is trivial). Token embeddings and the output head are detached, so L_MRC reaches the LLM only

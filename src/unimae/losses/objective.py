@@ -1,4 +1,4 @@
-"""The contract of a training objective: an nn.Module from a :class:`~unimae.batch.Batch` to named losses.
+"""The contract of a training objective: an nn.Module from a :class:`~unimae.data.batch.Batch` to named losses.
 
 ``forward(batch)`` returns a dict of scalars: ``"loss"`` (what is back-propagated, a mean over the
 micro-batch's examples so accumulation and processes do not change the update of a per-example loss; an
@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from unimae.batch import Batch
+from unimae.data.batch import Batch
 
 
 class Objective(nn.Module):

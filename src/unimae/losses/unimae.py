@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unimae.batch import Batch
+from unimae.data.batch import Batch
+from unimae.embedding.tokenization import last_token_index
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.mar import MARLoss
 from unimae.losses.mrc import MRCLoss, TinyDecoder
+from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
-from unimae.tokenization import last_token_index
 
 # Where h_eos comes from: the MAR-corrupted pass (Eq. 2, one forward) or a second pass over the clean text.
 MRC_INPUTS = ("corrupted", "clean")
@@ -33,7 +33,7 @@ class UniMAEObjective(Objective):
     """Holds the (LoRA-wrapped) LLM and the MRC loss, so DDP/FSDP wrap one module.
 
     forward(batch) -> {"loss", "mar", "mrc"} scalars; batch: input_ids, corrupted_ids, attention_mask
-    (B, T) and mrc_visible (B, T, T + 1) from :class:`~unimae.masking.UniMAECollator`.
+    (B, T) and mrc_visible (B, T, T + 1) from :class:`~unimae.data.masking.UniMAECollator`.
     """
 
     def __init__(
@@ -54,7 +54,7 @@ class UniMAEObjective(Objective):
         config = llm.config
         self.alpha = alpha
         softcap = logit_softcap(config)
-        self.mar = MARLoss(chunk_size, softcap)
+        self.mar = NextTokenLoss(chunk_size, softcap)
         decoder = TinyDecoder(
             hidden_size=config.hidden_size,
             num_heads=mrc_heads or decoder_heads(config),

@@ -12,7 +12,7 @@ contrastive    InfoNCE, in-batch + hard negatives      (query, positive    the i
 gem            (1 - a) NTP + a InfoNCE, summary tokens text                gem, summary
 =============  ======================================  ==================  ===============
 
-The adapter records how it embeds (its :class:`~unimae.embedding_spec.EmbeddingSpec`, ``embedding`` in
+The adapter records how it embeds (its :class:`~unimae.embedding.spec.EmbeddingSpec`, ``embedding`` in
 unimae.json), so ``Encoder.from_pretrained(..., adapter)`` uses the right attention and pooling. Add a
 method with a new module here and ``@register_method``.
 """

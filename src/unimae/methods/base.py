@@ -6,7 +6,7 @@ LoRA model), ``prepare_model(model)`` and ``lora_extra()`` (the base model befor
 fields), ``build_objective(llm)`` (the :class:`~unimae.losses.objective.Objective` nn.Module to
 optimize), ``lr_lambda(step)`` (the learning-rate multiplier of each step),
 ``example_order(num_examples, seed)`` (which example fills each global batch position),
-``collate(examples, indices)`` per micro-batch (a :class:`~unimae.batch.Batch`; randomness must
+``collate(examples, indices)`` per micro-batch (a :class:`~unimae.data.batch.Batch`; randomness must
 come from ``(seed, example index)`` so resume and any process split reproduce it), and at the end
 ``embedding_spec()`` (written into the adapter's ``unimae.json``). Add a method by subclassing and
 decorating it with :func:`unimae.methods.register_method`.
@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from unimae.batch import Batch
-from unimae.corpus import load_texts
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.tokenization import pad_batch
+from unimae.data.batch import Batch
+from unimae.data.corpus import load_texts
+from unimae.data.order import DataOrder
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import pad_batch
 
 if TYPE_CHECKING:
-    from unimae.config import TrainConfig
     from unimae.losses.objective import Objective
+    from unimae.training.config import TrainConfig
 
 
 @dataclass
@@ -54,10 +55,8 @@ class Method:
     def example_order(self, num_examples: int, seed: int):
         """Which example fills each global example index: an object whose ``text_index(i)`` is an index into
         ``load_data()``'s list, a pure function of (seed, i) so resume and any process split reproduce it
-        (global batch k holds indices ``k*batch_size ..``). Default: the trainer's ``DataOrder``, every epoch
-        a fresh permutation of all examples; ``contrastive`` draws each batch from one source."""
-        from unimae.trainer import DataOrder  # imported here: the trainer imports the methods
-
+        (global batch k holds indices ``k*batch_size ..``). Default: :class:`~unimae.data.order.DataOrder`, every
+        epoch a fresh permutation of all examples; ``contrastive`` draws each batch from one source."""
         return DataOrder(num_examples, seed)
 
     @property

@@ -4,7 +4,7 @@ In-batch negatives plus the hard negatives of the batch, without the batch's kno
 (``--mask-false-negatives``); ``--symmetric-loss`` adds the positive -> queries direction; ``--lm-weight``
 adds a next-token loss on the positives (GritLM's joint objective), so that the adapter keeps generating.
 ``--data`` takes several files (or a mixture file) with ``--data-weights``; every global batch is drawn from one source
-(:mod:`unimae.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
+(:mod:`unimae.data.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
 so large batches fit in memory. Trains (and embeds with) the ``--init-adapter``'s spec, as SimCSE does:
 causal attention and the [EOS] state after UniMAE, so generation and KV reuse are unchanged.
 
@@ -12,7 +12,7 @@ Prompts (``--query-prompt``, ``--document-prompt``): the queries (and documents)
 ``--symmetric-sources`` are embedded after the prompt's text; a symmetric source's pairs (paraphrases, NLI)
 take none, as texts are embedded outside retrieval. The prompts are saved in the adapter's spec.
 ``--matryoshka-dims`` sums InfoNCE over the full vector and each truncated prefix (see
-:class:`~unimae.losses.simcse.ContrastiveObjective`); the dimensions are saved in the spec as well.
+:class:`~unimae.losses.supervised_contrastive.ContrastiveObjective`); the dimensions are saved in the spec as well.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.losses.grad_cache import GradCacheContrastiveObjective
+from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import Context, Method, pooled_batch
 from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling
-from unimae.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
 
 if TYPE_CHECKING:
-    from unimae.config import TrainConfig
+    from unimae.training.config import TrainConfig
 
 __all__ = ["Contrastive", "load_pairs"]
 
@@ -89,8 +91,6 @@ class Contrastive(Method):
         return self.mixture.order(self.config.batch_size, seed)
 
     def build_objective(self, llm):
-        from unimae.losses.simcse import ContrastiveObjective, GradCacheContrastiveObjective
-
         c = self.config
         args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
         kwargs = {"lm_weight": c.lm_weight, "lm_texts": c.lm_texts, "ce_chunk_size": c.ce_chunk_size}

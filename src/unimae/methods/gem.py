@@ -32,14 +32,15 @@ import math
 
 import torch
 
-from unimae.batch import Batch
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.masking import example_generator
+from unimae.data.batch import Batch
+from unimae.data.masking import example_generator
+from unimae.embedding.pooling import PooledInput
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import encode_with_eos, spare_special_tokens
+from unimae.losses.gem import GEMObjective
 from unimae.methods.base import Method, has_bos, pad_right
 from unimae.methods.registry import register_method
 from unimae.models import grow_vocabulary
-from unimae.pooling import PooledInput
-from unimae.tokenization import encode_with_eos, spare_special_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ class GEM(Method):
         return c.gem_contrastive_lr_scale * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def build_objective(self, llm):
-        from unimae.losses.gem import GEMObjective
-
         c = self.config
         if llm.get_input_embeddings().weight.shape[0] <= max(self.summary_ids):
             self.prepare_model(llm)  # a model that did not come through the trainer's prepare_model

@@ -5,12 +5,13 @@ Embeds with bidirectional attention and ``mean`` pooling.
 
 from __future__ import annotations
 
-from unimae.batch import Batch
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.masking import example_generator, mar_corrupt
+from unimae.data.batch import Batch
+from unimae.data.masking import example_generator, mar_corrupt
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import encode_with_eos
+from unimae.losses.mntp import MNTPObjective
 from unimae.methods.base import Method, pad_right
 from unimae.methods.registry import register_method
-from unimae.tokenization import encode_with_eos
 
 
 @register_method
@@ -20,8 +21,6 @@ class MNTP(Method):
     name = "mntp"
 
     def build_objective(self, llm):
-        from unimae.losses.mntp import MNTPObjective
-
         return MNTPObjective(llm, self.config.ce_chunk_size)
 
     def collate(self, texts, indices) -> Batch:

@@ -6,7 +6,8 @@ Trains (and embeds with) the ``--init-adapter``'s spec, e.g. causal ``eos`` afte
 
 from __future__ import annotations
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.losses.simcse import SimCSEObjective
 from unimae.methods.base import Method, ViewDropoutMixin, pooled_batch
 from unimae.methods.registry import register_method
 
@@ -23,8 +24,6 @@ class SimCSE(ViewDropoutMixin, Method):
     name = "simcse"
 
     def build_objective(self, llm):
-        from unimae.losses.simcse import SimCSEObjective
-
         return SimCSEObjective(llm, self.config.temperature, self.embedding_spec().attention)
 
     def collate(self, texts, indices):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.masking import UniMAECollator
+from unimae.data.masking import UniMAECollator
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import encode_with_eos
+from unimae.losses import UniMAEObjective
 from unimae.methods.base import Method
 from unimae.methods.registry import register_method
-from unimae.tokenization import encode_with_eos
 
 
 @register_method
 class UniMAE(Method):
-    """Batches: :class:`~unimae.masking.UniMAECollator` (MAR-corrupted ids and the MRC key mask)."""
+    """Batches: :class:`~unimae.data.masking.UniMAECollator` (MAR-corrupted ids and the MRC key mask)."""
 
     name = "unimae"
 
@@ -33,8 +34,6 @@ class UniMAE(Method):
         return {"trainable_token_indices": [self.ctx.mask_id]} if self.config.train_mask_token else {}
 
     def build_objective(self, llm):
-        from unimae.losses import UniMAEObjective
-
         c = self.config
         return UniMAEObjective(
             llm,

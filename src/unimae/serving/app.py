@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unimae.encoder import Encoder
-from unimae.index import VectorIndex
+from unimae.retrieval.index import VectorIndex
 from unimae.serving.config import ServerConfig
 from unimae.serving.guard import RequestGuard
 from unimae.serving.routes import completions, embeddings, meta, rag

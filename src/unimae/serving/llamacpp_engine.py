@@ -35,11 +35,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from unimae.embedding_spec import with_prompt
-from unimae.encoder import finish_embeddings
-from unimae.gguf_export import KEY_PREFIX
-from unimae.index import Hit, VectorIndex
-from unimae.rag import RAGAnswer, passages_json, prompt_tail
+from unimae.embedding.spec import with_prompt
+from unimae.embedding.tokenization import encode_with_eos
+from unimae.embedding.vectors import finish_embeddings
+from unimae.export.gguf import KEY_PREFIX
+from unimae.retrieval.index import Hit, VectorIndex
+from unimae.retrieval.rag import RAGAnswer, passages_json, prompt_tail
 from unimae.serving.config import ServerConfig
 from unimae.serving.guard import RequestGuard
 from unimae.serving.schemas import (
@@ -54,7 +55,6 @@ from unimae.serving.schemas import (
     parse_body,
 )
 from unimae.serving.sse import sse_frame
-from unimae.tokenization import encode_with_eos
 
 logger = logging.getLogger(__name__)
 

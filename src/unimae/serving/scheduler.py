@@ -4,21 +4,21 @@ together, one new token each per step; a request joins the batch at the next ste
 Why: a 135M model's decode step on a CPU is bound by reading its weights, so one step over B rows costs about
 what one row costs, while B generations decoded separately on 2 cores each read the weights themselves.
 
-How (the arithmetic is :class:`unimae.decoding.Decoder`'s):
+How (the arithmetic is :class:`unimae.generation.decoding.Decoder`'s):
 
 - :meth:`GenerationScheduler.submit` queues a request (prompt ids, :class:`GenerationParams` with its own
   temperature / top_p / seed / max_new_tokens, EOS ids, an optional prefix KV cache, a cancel event) and
   returns an iterator of its new token ids as they come. :meth:`GenerationScheduler.decode` is the same with
-  :func:`~unimae.decoding.decode_tokens`'s signature: the token source that
+  :func:`~unimae.generation.decoding.decode_tokens`'s signature: the token source that
   ``generate_stream(..., decode=scheduler.decode)`` runs, so turning ids into text, stop strings, streaming
-  and cancellation stay in :mod:`unimae.generation`, one code path for the server, ``unimae ask`` and
+  and cancellation stay in :mod:`unimae.generation.stream`, one code path for the server, ``unimae ask`` and
   ``Encoder.generate``.
 - The scheduler's thread loops: take waiting requests while the batch has room (``max_batch`` rows); prefill
   them (:meth:`Decoder.prefill_many`: prompts with nothing cached in one right-padded forward, the others
   alone, each with its own cache and the reusable part of its prefix copied in, as ``decode_tokens`` does)
   -> their first tokens; then one :meth:`Decoder.step` over every row -> one token each. Each row keeps its
   own KV cache, no padding; for Llama-family models the caches are slots of one
-  :class:`~unimae.kv_cache.KVPool` and the step stacks the rows for the projections and attends over all of
+  :class:`~unimae.generation.kv_cache.KVPool` and the step stacks the rows for the projections and attends over all of
   them in one call per layer; other models (Gemma3) step each row with the model's own forward (correct,
   not faster). Greedy tokens equal those of the request decoded alone (fp32 tests).
 - A row leaves at an EOS id, at ``max_new_tokens``, or once its cancel event is set (the routes set it when
@@ -27,7 +27,7 @@ How (the arithmetic is :class:`unimae.decoding.Decoder`'s):
 - Sharing the model: a prefill or a step holds the server's :class:`ModelLock`, which the embedding batcher
   holds for one chunk; the lock is FIFO, so embedding chunks run between decode steps: a chunk waits for at
   most one step (or prefill), a step for at most one chunk. Both run on the lock's one thread
-  (:meth:`ModelLock.run`), not on this scheduler's: see :mod:`unimae.threads`.
+  (:meth:`ModelLock.run`), not on this scheduler's: see :mod:`unimae.runtime.threads`.
 - Bounds: at most ``max_batch`` rows; what is submitted is bounded by the routes' ``GenerationSlots`` (sized
   ``max_batch`` running + ``--max-queued-generations`` waiting, then 429 before the stream's 200).
 - Errors: a prefill that fails ends its request with the error; a step that fails ends the rows in it; the
@@ -48,8 +48,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from queue import SimpleQueue
 
-from unimae.decoding import Decoder, DecodeState, padded_groups
-from unimae.generation import GenerationParams
+from unimae.generation.decoding import Decoder, DecodeState, padded_groups
+from unimae.generation.sampling import GenerationParams
 from unimae.serving.model_lock import ModelLock
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class GenerationScheduler:
         past_key_values=None,
         cancel: threading.Event | None = None,
     ) -> Iterator[int]:
-        """:func:`~unimae.decoding.decode_tokens`, decoded in the batch: pass it as ``generate_stream``'s
+        """:func:`~unimae.generation.decoding.decode_tokens`, decoded in the batch: pass it as ``generate_stream``'s
         ``decode``. ``model`` and ``precision`` must be the scheduler's own."""
         if model is not self.model or precision != self.precision:
             raise ValueError(

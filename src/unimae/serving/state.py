@@ -21,13 +21,13 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import Depends, Request
 
-from unimae.decoding import decode_tokens, warm_up
+from unimae.embedding.pooling import PooledInput
 from unimae.encoder import Encoder
-from unimae.generation import GenerationParams
-from unimae.index import VectorIndex
-from unimae.pooling import PooledInput
-from unimae.rag import RAG
-from unimae.runtime import release_free_memory
+from unimae.generation.decoding import decode_tokens, warm_up
+from unimae.generation.sampling import GenerationParams
+from unimae.retrieval.index import VectorIndex
+from unimae.retrieval.rag import RAG
+from unimae.runtime.memory import release_free_memory
 from unimae.serving.batcher import DynamicBatcher
 from unimae.serving.config import ServerConfig
 from unimae.serving.model_lock import ModelLock
@@ -104,7 +104,7 @@ class ServerState:
     @property
     def decode(self) -> Callable[..., Iterator[int]]:
         """The token source of every generation (``generate_stream``'s ``decode``): the scheduler's with
-        continuous batching, else :func:`~unimae.decoding.decode_tokens` in the generation's own thread."""
+        continuous batching, else :func:`~unimae.generation.decoding.decode_tokens` in the generation's own thread."""
         return self.scheduler.decode if self.scheduler is not None else decode_tokens
 
     def check_model(self, name: str | None) -> None:

@@ -21,7 +21,8 @@ from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
-from unimae.generation import GenerationParams, GenerationResult, generate_stream, generate_text
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import GenerationResult, generate_stream, generate_text
 from unimae.serving.disconnect import client_gone, unless_gone
 from unimae.serving.schemas import APIError, ChatRequest, CompletionRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response

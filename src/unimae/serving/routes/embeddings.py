@@ -15,8 +15,8 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from unimae.encoder import finish_embeddings
-from unimae.pooling import PooledInput
+from unimae.embedding.pooling import PooledInput
+from unimae.embedding.vectors import finish_embeddings
 from unimae.serving.disconnect import client_gone, unless_gone
 from unimae.serving.schemas import APIError, EmbeddingRequest, check_dimensions, embeddings_body, parse_body
 from unimae.serving.state import ServerState, StateDep

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from unimae.generation import GenerationParams
-from unimae.index import Hit
-from unimae.rag import RAGAnswer, passages_json
+from unimae.generation.sampling import GenerationParams
+from unimae.retrieval.index import Hit
+from unimae.retrieval.rag import RAGAnswer, passages_json
 from unimae.serving.schemas import APIError, RAGRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import StateDep

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unimae.attention import ATTENTION_RULES
-from unimae.pooling import POOLINGS, PooledInput, build_inputs, pooled_forward
+from unimae.embedding.attention import ATTENTION_RULES
+from unimae.embedding.pooling import POOLINGS, PooledInput, build_inputs, pooled_forward
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ class EmbeddingSpec:
     """Attention rule + pooling (+ the pooling's options) of an embedding."""
 
     attention: str = field(default="causal", metadata={"help": f"Attention rule while embedding: {ATTENTION_RULES}."})
-    pooling: str = field(default="eos", metadata={"help": "Which last-layer states are averaged (unimae.pooling)."})
+    pooling: str = field(
+        default="eos", metadata={"help": "Which last-layer states are averaged (unimae.embedding.pooling)."}
+    )
     summary_ids: tuple[int, ...] = field(default=(), metadata={"help": "summary pooling: GEM's summary token ids."})
     echo_template: bool = field(default=False, metadata={"help": "echo pooling: wrap the text in Echo's prompt."})
     prompts: tuple[tuple[str, str], ...] = field(

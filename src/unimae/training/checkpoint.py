@@ -22,13 +22,13 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from unimae.adapter import check_finite
 from unimae.files import file_sha256, writing
 
 logger = logging.getLogger(__name__)
@@ -69,14 +69,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str, fix: str) -> None:
-    """ValueError "{what}: weight {name} holds NaN or infinite values; {fix}" for the first (name, tensor) pair
-    that does."""
-    for name, tensor in tensors:
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"{what}: weight {name} holds NaN or infinite values; {fix}")
 
 
 def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:

@@ -31,47 +31,32 @@ from unimae.adapter import (
     adapter_meta,
     attach_adapter,
     base_fingerprint,
+    check_finite,
     embedding_spec,
     quiet_peft,
     skip_input_upcast,
     write_adapter_meta,
 )
-from unimae.attention import set_attention_dropout
-from unimae.checkpoint import (
+from unimae.data.order import DataOrder
+from unimae.embedding.attention import set_attention_dropout
+from unimae.embedding.tokenization import choose_mask_token
+from unimae.export.base import save_merged
+from unimae.files import atomic_write_json, atomic_write_text, writing
+from unimae.methods import Context, Method, get_method
+from unimae.models import load_model
+from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
+from unimae.runtime.precision import autocast, resolve_precision, weight_dtype
+from unimae.training.checkpoint import (
     DIVERGED,
-    check_finite,
     checkpoint_dir,
     load_latest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from unimae.config import TrainConfig
-from unimae.export import save_merged
-from unimae.files import atomic_write_json, atomic_write_text, writing
-from unimae.methods import Context, Method, get_method
-from unimae.models import load_model
-from unimae.precision import autocast, resolve_precision, weight_dtype
-from unimae.runtime import release_if_above, resident_bytes, tune_allocator
-from unimae.tokenization import choose_mask_token
+from unimae.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
-
-
-class DataOrder:
-    """Example order as a pure function of (seed, global example index): epochs reshuffle."""
-
-    def __init__(self, num_texts: int, seed: int):
-        self.num_texts = num_texts
-        self.seed = seed
-        self._perms: dict[int, list[int]] = {}
-
-    def text_index(self, example: int) -> int:
-        epoch, offset = divmod(example, self.num_texts)
-        if epoch not in self._perms:
-            gen = torch.Generator().manual_seed(self.seed + 7919 * epoch)
-            self._perms[epoch] = torch.randperm(self.num_texts, generator=gen).tolist()
-        return self._perms[epoch][offset]
 
 
 @dataclass
@@ -537,7 +522,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
             record, stopping = _train_step(run, step, stop)
             step += 1
             record["elapsed"] = round(time.perf_counter() - t0, 2)
-            release_if_above(0.25)  # a heap grown past a quarter of the machine: hand free pages back (runtime.py)
+            release_if_above(0.25)  # a heap grown past a quarter of the machine: hand free pages back (memory.py)
             rss = resident_bytes()
             if rss is not None:
                 record["rss_gb"] = round(rss / 1e9, 2)

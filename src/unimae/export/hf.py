@@ -1,20 +1,6 @@
-"""Export a base model + adapter for the ecosystem.
+"""Hugging Face folders: ``hf`` (a plain transformers model) and ``sentence-transformers``, each with a model card.
 
-- ``hf``: a plain Hugging Face model directory (LoRA merged into float32 weights) with a model
-  card stating pooling, EOS handling and the training recipe. transformers loads it for generation and
-  for embeddings as the card says (for UniMAE: the last-layer state at an appended EOS; the card and
-  ``unimae.json`` name the attention and pooling of other methods).
-- ``sentence-transformers``: the same weights as a SentenceTransformer directory: Transformer
-  module + Pooling. For causal ``eos`` (UniMAE) it is last-token pooling with a tokenizer whose
-  post-processor appends EOS after truncation, so ``SentenceTransformer(dir).encode(texts)`` gives
-  unimae's ``eos`` embeddings; causal ``mean`` maps to mean pooling. An adapter whose
-  :class:`~unimae.embedding_spec.EmbeddingSpec` the format cannot express (bidirectional attention
-  of MNTP, GEM's summary tokens and mask, echo) is refused with a message instead of exported wrongly.
-- ``gguf``: one GGUF file for llama.cpp (``--output FILE.gguf``, ``gguf_type`` f32/f16/bf16/q8_0), pooling
-  ``last``; clients append EOS (see :mod:`unimae.gguf_export`). Only causal last-token (``eos``) adapters.
-- ``gguf-lora``: the adapter alone as a llama.cpp LoRA-adapter GGUF (``gguf_type`` f32/f16), applied with
-  ``--lora`` on a GGUF of the base model (see :mod:`unimae.gguf_lora_export`). Refuses as ``gguf`` does, and
-  adapters that are not low-rank pairs on linear weights.
+See :mod:`unimae.export` for what each format holds and which adapters it refuses.
 """
 
 from __future__ import annotations
@@ -23,12 +9,10 @@ import json
 import shutil
 from pathlib import Path
 
-from unimae.adapter import ADAPTER_META, adapter_meta, adapter_revision, embedding_spec, load_with_adapter
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.files import atomic_write_json, check_writable, writing
-
-FORMATS = ("hf", "sentence-transformers", "gguf", "gguf-lora")
-
+from unimae.adapter import ADAPTER_META, adapter_meta
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.export.base import merged_model, save_merged
+from unimae.files import atomic_write_json, writing
 
 _CARD_KEYS = ("method", "recipe", "steps", "batch_size", "max_length", "lr", "alpha", "p_mar", "p_mrc", "lora_r")
 _CARD_KEYS += ("lora_alpha", "data")
@@ -77,38 +61,6 @@ def _prompt_lines(spec: EmbeddingSpec) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def merged_model(model: str, adapter: str | None):
-    """(float32 model with the adapter merged, tokenizer)."""
-    import torch
-
-    merged, tokenizer, _ = load_with_adapter(model, adapter, torch.float32, merge=True)
-    return merged, tokenizer
-
-
-def save_merged(model: str, adapter: str | None, directory: str | Path) -> None:
-    """Write the float32 base with the adapter merged, and its tokenizer, as a Hugging Face folder."""
-    merged, tokenizer = merged_model(model, adapter)
-    merged.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
-def check_exportable(spec: EmbeddingSpec, fmt: str) -> None:
-    """ValueError if ``fmt`` cannot express how this adapter embeds."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
-    if fmt == "sentence-transformers" and not (spec.attention == "causal" and spec.pooling in ("eos", "mean")):
-        raise ValueError(
-            f"this adapter embeds with {spec.describe()}, which a sentence-transformers model cannot express "
-            "(it runs the model with causal attention and last-token or mean pooling); export --format hf and "
-            "embed with unimae instead"
-        )
-    if fmt in ("gguf", "gguf-lora") and not spec.is_last_token:
-        raise ValueError(
-            f"this adapter embeds with {spec.describe()}, which a GGUF model cannot express (llama.cpp runs "
-            "causal attention and pools the last token); export --format hf and embed with unimae instead"
-        )
-
-
 def append_eos_post_processor(tokenizer) -> None:
     """Replace the fast tokenizer's post-processor with one template: its own leading special tokens
     (BOS, if it adds one), the text, then EOS; truncation keeps room for both, like unimae."""
@@ -127,27 +79,9 @@ def append_eos_post_processor(tokenizer) -> None:
     )
 
 
-def export(
-    model: str,
-    adapter: str | None,
-    output: str | Path,
-    fmt: str = "hf",
-    max_length: int = 512,
-    gguf_type: str = "f16",
-) -> Path:
-    """Write the export to ``output`` (a directory; a ``.gguf`` file for ``gguf`` and ``gguf-lora``); return its
-    path. Refuses a spec ``fmt`` cannot express."""
-    spec = embedding_spec(adapter)
-    check_exportable(spec, fmt)
-    if fmt == "gguf-lora":
-        from unimae.gguf_lora_export import export_gguf_lora
-
-        check_writable(Path(output).parent)  # before the base model is loaded, not after
-
-        return export_gguf_lora(model, adapter, output, gguf_type)
-    if fmt == "gguf":
-        return _save_gguf(model, adapter, Path(output), spec, gguf_type)
-    out = Path(output)
+def export_folder(model: str, adapter: str | None, out: Path, fmt: str, spec: EmbeddingSpec, max_length: int) -> Path:
+    """Write the ``hf`` or ``sentence-transformers`` export of ``model`` + ``adapter`` into the new (or empty)
+    folder ``out`` with its model card; return ``out``. Built in a partial folder renamed into place at the end."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --output directory")
     partial = out.with_name(f".{out.name}.partial")  # built here and renamed into place once complete, so a
@@ -203,18 +137,3 @@ def add_legacy_pooling_keys(out: Path, mode: str) -> None:
             continue  # an older sentence-transformers wrote the flags itself
         config.update({key: name == mode for name, key in LEGACY_POOLING_KEYS.items()})
         atomic_write_json(config_path, config)
-
-
-def _save_gguf(model: str, adapter: str | None, out: Path, spec: EmbeddingSpec, gguf_type: str) -> Path:
-    from unimae.gguf_export import GGUF_TYPES, source_gguf, write_gguf
-
-    if gguf_type not in GGUF_TYPES:
-        raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of {GGUF_TYPES}")
-    if out.suffix != ".gguf":
-        raise ValueError(f"--output {out} must be a file name ending in .gguf for --format gguf")
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new --output file")
-    check_writable(out.parent)  # before minutes of merging, not after
-    merged, tokenizer = merged_model(model, adapter)
-    extra = {"base_model": model, "adapter_revision": adapter_revision(adapter)}
-    return write_gguf(merged, tokenizer, out, gguf_type, spec=spec, source=source_gguf(model), extra=extra)

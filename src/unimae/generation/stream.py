@@ -1,10 +1,10 @@
-"""Text generation with the same weights that embed: sampling options, stop strings, streaming, cancel.
+"""Text generation with the same weights that embed: text pieces as tokens come, stop strings, cancel.
 
 One code path serves ``Encoder.generate``, ``unimae ask`` and the server's completions/chat routes:
-``generate_stream`` runs the token loop of :mod:`unimae.decoding` (prefill, then one forward per token)
-in the caller's thread and yields text pieces as tokens come, then a :class:`GenerationResult`;
+``generate_stream`` runs the token loop of :mod:`unimae.generation.decoding` (prefill, then one forward per
+token) in the caller's thread and yields text pieces as tokens come, then a :class:`GenerationResult`;
 ``generate_text`` collects it. A prefix ``past_key_values`` (e.g. the KV cache of the query's embedding
-pass, see ``unimae.rag``) is copied into the generation's cache, so only the uncached tail of the prompt
+pass, see ``unimae.retrieval.rag``) is copied into the generation's cache, so only the uncached tail of the prompt
 is prefilled.
 
 Greedy output is token-identical to ``model.generate(do_sample=False)`` in fp32 (tests/test_generation.py).
@@ -12,42 +12,13 @@ Greedy output is token-identical to ``model.generate(do_sample=False)`` in fp32 
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from unimae.decoding import decode_tokens, eos_token_ids, reusable_prefix
-
-
-@dataclass
-class GenerationParams:
-    """Decoding options, named as in the OpenAI API; ``temperature == 0`` means greedy."""
-
-    max_new_tokens: int = field(default=64, metadata={"help": "Most tokens to generate."})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (with temperature > 0)."})
-    stop: list[str] = field(default_factory=list, metadata={"help": "Strings that end the generation."})
-    seed: int | None = field(default=None, metadata={"help": "Seed for sampling (reproducible outputs)."})
-    ignore_eos: bool = field(
-        default=False, metadata={"help": "Go on after an end-of-sequence token (fixed-length runs, benchmarks)."}
-    )
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+from unimae.generation.decoding import decode_tokens, eos_token_ids
+from unimae.generation.kv_cache import reusable_prefix
+from unimae.generation.sampling import GenerationParams
 
 
 @dataclass
@@ -110,12 +81,12 @@ def generate_stream(
     """Yield text pieces of the continuation of ``input_ids``, then one :class:`GenerationResult`.
 
     The token loop runs in the caller's thread, one token per iteration of this iterator: the model's
-    forwards stay on one thread (see :mod:`unimae.threads`). Stop strings are cut from the text
+    forwards stay on one thread (see :mod:`unimae.runtime.threads`). Stop strings are cut from the text
     (never streamed); ``past_key_values`` must hold the KV cache of a prefix of ``input_ids`` and is not
     modified. Setting ``cancel`` (from any thread) ends the generation within a token; so does closing
     this iterator early (it sets ``cancel``).
 
-    ``decode``: the token source, with :func:`~unimae.decoding.decode_tokens`'s signature and contract (the
+    ``decode``: the token source, with :func:`~unimae.generation.decoding.decode_tokens`'s signature and contract (the
     server passes its in-flight batching scheduler's, :meth:`unimae.serving.scheduler.GenerationScheduler.decode`).
     """
     if not input_ids:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unimae.batch import Batch
-from unimae.tokenization import pad_batch
+from unimae.data.batch import Batch
+from unimae.embedding.tokenization import pad_batch
 
 
 def example_generator(seed: int, index: int) -> torch.Generator:

@@ -22,18 +22,19 @@ the pages of the reranked rows are touched. PQ alone loses recall (its codes blu
 alternatives: HNSW keeps the float vectors and a graph in RAM (more than flat); FAISS ``OnDiskInvertedLists``
 moves the *codes* to disk, which is not where the memory is and makes every probe a random read; LanceDB /
 Qdrant embed the same IVF-PQ + refine algorithm behind a second storage format and dependency. This keeps
-unimae's folder layout (manifest, shards, passages), so the resume rules of :mod:`unimae.index` apply unchanged.
+unimae's folder layout (manifest, shards, passages), so the resume rules of :mod:`unimae.retrieval.index` apply
+unchanged.
 Passages are not loaded either: ``passages.offsets.npy`` holds each line's byte offset in ``passages.jsonl``
 and a hit's text is read on demand.
 
-Layout (the manifest, ``passages.jsonl`` and ``shards/`` of :mod:`unimae.index`, plus)::
+Layout (the manifest, ``passages.jsonl`` and ``shards/`` of :mod:`unimae.retrieval.index`, plus)::
 
     vectors.npy            (N, D) float32 unit rows, gathered from the shards, read through a memory map
     ivfpq.faiss            the IndexIVFPQ over the same rows (trained on an evenly spaced sample)
     passages.offsets.npy   (N + 1,) int64 byte offsets of passages.jsonl's lines
 
 The manifest says ``"store": "disk"``; :func:`open_index` opens a folder as this or a
-:class:`~unimae.index.VectorIndex` by it.
+:class:`~unimae.retrieval.index.VectorIndex` by it.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write, atomic_write_json, file_sha256
-from unimae.index import (
+from unimae.retrieval.index import (
     FORMAT_VERSION,
     Hit,
     VectorIndex,
@@ -78,7 +79,7 @@ _NORM_SAMPLE = 64  # rows of vectors.npy checked to be unit vectors when a store
 
 @dataclass
 class DiskIndexConfig:
-    """How passages are embedded (as :class:`~unimae.index.IndexConfig`) and how the disk store searches."""
+    """How passages are embedded (as :class:`~unimae.retrieval.index.IndexConfig`) and how the disk store searches."""
 
     shard_size: int = field(default=256, metadata={"help": "Passages embedded and saved per shard (the resume unit)."})
     batch_size: int = field(default=16, metadata={"help": "Passages per forward pass."})
@@ -172,7 +173,7 @@ class DiskPassages(Sequence):
 
 class DiskIndex:
     """Passages + their embeddings in a disk store. Build with :meth:`build`, open with :meth:`load` (or
-    :func:`open_index`); searches like :class:`~unimae.index.VectorIndex`."""
+    :func:`open_index`); searches like :class:`~unimae.retrieval.index.VectorIndex`."""
 
     def __init__(self, directory: Path, manifest: dict, passages: Sequence, ivf, vectors: np.ndarray):
         self.directory, self.manifest, self.passages = directory, manifest, passages
@@ -192,7 +193,7 @@ class DiskIndex:
         overwrite: bool = False,
     ) -> DiskIndex:
         """Embed ``passages`` with ``encoder`` shard by shard into ``directory`` (resuming as
-        :meth:`VectorIndex.build <unimae.index.VectorIndex.build>` does), then write the disk store.
+        :meth:`VectorIndex.build <unimae.retrieval.index.VectorIndex.build>` does), then write the disk store.
 
         Memory stays bounded: shards are written one by one, gathered into ``vectors.npy`` through a memory
         map, and the IVF-PQ index is trained on a sample and filled ``_ADD_ROWS`` vectors at a time.
@@ -274,7 +275,7 @@ def _search(ivf, vectors: np.ndarray, queries: np.ndarray, k: int, rerank: int) 
 
 def open_index(directory: str | Path) -> VectorIndex | DiskIndex:
     """Open the index in ``directory`` as its manifest says: a :class:`DiskIndex` (``--store disk``) or a
-    :class:`~unimae.index.VectorIndex`."""
+    :class:`~unimae.retrieval.index.VectorIndex`."""
     manifest_path = Path(directory) / "manifest.json"
     if manifest_path.is_file() and _read_manifest(manifest_path).get("store") == STORE:
         return DiskIndex.load(directory)
@@ -282,8 +283,8 @@ def open_index(directory: str | Path) -> VectorIndex | DiskIndex:
 
 
 def _manifest(encoder, passages: list[tuple[str, str]], config: DiskIndexConfig, source: dict | None) -> dict:
-    """The manifest of :meth:`VectorIndex.build <unimae.index.VectorIndex.build>` (same fields, so the same resume
-    rules), plus the store."""
+    """The manifest of :meth:`VectorIndex.build <unimae.retrieval.index.VectorIndex.build>` (same fields, so the
+    same resume rules), plus the store."""
     return {
         "format": FORMAT_VERSION,
         **(source or {}),
@@ -326,7 +327,8 @@ def _check_hashes(directory: Path, manifest: dict) -> None:
 
 
 def _write_passages(directory: Path, passages: list[tuple[str, str]]) -> None:
-    """passages.jsonl (the lines :class:`~unimae.index.VectorIndex` writes) and their byte offsets, streamed."""
+    """passages.jsonl (the lines :class:`~unimae.retrieval.index.VectorIndex` writes) and their byte offsets,
+    streamed."""
     offsets = np.zeros(len(passages) + 1, dtype=np.int64)  # (N + 1,)
 
     def write(tmp: Path) -> None:
@@ -341,7 +343,7 @@ def _write_passages(directory: Path, passages: list[tuple[str, str]]) -> None:
 
 
 def _embed_missing_shards(encoder, passages, shards: Path, config: DiskIndexConfig, dim: int) -> range:
-    """Embed each shard not already in ``shards`` exactly as ``unimae.index`` does (same files, one by one) ->
+    """Embed each shard not already in ``shards`` exactly as ``unimae.retrieval.index`` does (same files, one by one) ->
     the shards' first rows."""
     starts = range(0, len(passages), config.shard_size)
     todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), dim)]

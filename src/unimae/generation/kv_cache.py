@@ -44,7 +44,7 @@ class PreallocatedLayer(DynamicLayer):
     ``update`` (transformers' interface) copies the new keys/values in place and returns the filled part,
     shaped ``(B, H_kv, T, D)`` as a ``DynamicLayer`` returns it, in the new keys' dtype, so the model's own
     attention sees the tensors it would see. ``dtype``: the dtype the cache stores (default: the first keys'
-    own). :class:`~unimae.decoding.LlamaStep` stores a bf16 model's cache in fp32 and reads it with
+    own). :class:`~unimae.generation.fast_path.LlamaStep` stores a bf16 model's cache in fp32 and reads it with
     :meth:`append` (no cast): its attention runs in fp32 (see :func:`one_query_attention`), and casting the
     whole cache up at every step and layer cost about 1 ms of a 24 ms SmolLM2 step (130 positions). Storing
     fp32 copies of bf16 values is exact, so the numbers are those of a bf16 cache; the memory is twice as much.

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from unimae.embedding.pooling import POOLINGS
 from unimae.files import atomic_write_json, read_json
-from unimae.pooling import POOLINGS
-from unimae.precision import PRECISIONS
+from unimae.runtime.precision import PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -440,8 +440,8 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
 
 
 def method_names() -> list[str]:
-    """The registered training methods (imported late: the methods import this module's types)."""
-    from unimae.methods import METHOD_REGISTRY
+    """The registered training methods."""
+    from unimae.methods import METHOD_REGISTRY  # imported here: the methods' type hints name TrainConfig (a cycle)
 
     return sorted(METHOD_REGISTRY)
 

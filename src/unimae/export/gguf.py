@@ -1,6 +1,6 @@
 """Write a base model with its adapter merged as ONE GGUF file that llama.cpp serves for both jobs.
 
-Weights: the float32 merge of :func:`unimae.export.merged_model`; each tensor is renamed to llama.cpp's
+Weights: the float32 merge of :func:`unimae.export.base.merged_model`; each tensor is renamed to llama.cpp's
 name (``gguf.TensorNameMap``), put in the layout llama.cpp expects (Llama's q/k rows are permuted from
 Hugging Face's half-rotation order to llama.cpp's interleaved rotary order, as llama.cpp's own
 ``convert_hf_to_gguf.py`` does) and stored as ``f32``, ``f16``, ``bf16`` or ``q8_0`` (``gguf.quants``).
@@ -30,8 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.files import atomic_write, read_json
+from unimae.adapter import adapter_revision
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.export.base import merged_model
+from unimae.files import atomic_write, check_writable, read_json
+from unimae.models import MANIFEST, OFFLINE_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,6 @@ def file_types() -> dict:
 
 def source_gguf(model: str) -> Path | None:
     """The GGUF file ``model`` was loaded from (offline name, .gguf path, or a cache folder made from one)."""
-    from unimae.models import MANIFEST, OFFLINE_MODELS
-
     if model in OFFLINE_MODELS:
         return OFFLINE_MODELS[model].locate()
     path = Path(model).expanduser()
@@ -403,3 +404,18 @@ def encode_tensor(array: np.ndarray, qtype):
     if qtype == Q.Q8_0 and array.shape[-1] % 32 != 0:
         qtype = Q.F16
     return quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), qtype
+
+
+def export_gguf(model: str, adapter: str | None, out: Path, spec: EmbeddingSpec, gguf_type: str) -> Path:
+    """Write ``model`` with ``adapter`` merged to the new file ``out`` (``.gguf``) as ``gguf_type``; return its path.
+    The folder is checked for writing before the merge."""
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of {GGUF_TYPES}")
+    if out.suffix != ".gguf":
+        raise ValueError(f"--output {out} must be a file name ending in .gguf for --format gguf")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new --output file")
+    check_writable(out.parent)  # before minutes of merging, not after
+    merged, tokenizer = merged_model(model, adapter)
+    extra = {"base_model": model, "adapter_revision": adapter_revision(adapter)}
+    return write_gguf(merged, tokenizer, out, gguf_type, spec=spec, source=source_gguf(model), extra=extra)

@@ -2,7 +2,7 @@
 
 Every pooling is a weighted mean of last-layer states under a per-token *pool mask* that is padded
 exactly like the input, so it is correct for left and right padding alike (each tokenizes through
-:func:`~unimae.tokenization.tokenize_bounded`, so a long text costs what ``max_length`` tokens cost):
+:func:`~unimae.embedding.tokenization.tokenize_bounded`, so a long text costs what ``max_length`` tokens cost):
 - ``eos``: EOS appended after truncation; the mask selects that last token (``h_eos``, UniMAE Eq. 2).
 - ``mean``: all tokens of the text as the tokenizer makes them (paper row MEAN).
 - ``echo``: the text twice; the mask selects the second copy (Springer et al. 2024). Plain
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unimae.attention import model_attention_mask
-from unimae.tokenization import encode_with_eos, position_ids_from_mask, tokenize_bounded
+from unimae.embedding.attention import model_attention_mask
+from unimae.embedding.tokenization import encode_with_eos, position_ids_from_mask, tokenize_bounded
 
 ECHO_PROMPT = ("Rewrite the sentence: ", ", rewritten sentence: ")
 

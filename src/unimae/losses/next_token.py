@@ -1,5 +1,10 @@
-"""Masked Auto-Regressive loss (UniMAE Eq. 1): causal-LM cross-entropy of the ORIGINAL next tokens
-given the MAR-corrupted prefix, ``L_MAR = sum_t CE(x_t | x~_<t)``, averaged per example."""
+"""Next-token cross-entropy through the LLM's own (chunked) output head: the plain language-model loss.
+
+``L = mean_b mean_t CE(x_{t+1} | h_t)`` over the scored positions of each example (all by default), a mean per
+example, then over the batch. Four objectives use it: UniMAE's MAR loss (Eq. 1: the ORIGINAL next tokens
+given the MAR-corrupted prefix, ``L_MAR = sum_t CE(x_t | x~_<t)``, averaged per example), MNTP (only the masked
+tokens scored), GEM's NTP term and the contrastive method's LM term (``--lm-weight``).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ from torch import nn
 from unimae.losses.cross_entropy import chunked_cross_entropy, output_projection, per_example_mean
 
 
-class MARLoss(nn.Module):
+class NextTokenLoss(nn.Module):
     """Next-token CE through the LLM's own (chunked) output head.
 
-    Inputs: hidden (B, T, D) last-layer states of the corrupted input; input_ids (B, T) the
+    Inputs: hidden (B, T, D) last-layer states of the (possibly corrupted) input; input_ids (B, T) the
     original tokens; attention_mask (B, T); output_head the LLM's nn.Linear head (not owned
     here). Output: scalar.
     """

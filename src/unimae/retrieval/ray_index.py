@@ -1,7 +1,7 @@
 """Embed a corpus on Ray: Ray Data hands shards to an actor pool of Encoders; the driver writes them.
 
-``unimae index --engine ray`` builds the same folder as the single-process path (:mod:`unimae.index`, or
-:mod:`unimae.disk_index` with ``--store disk``): the same shards, manifest, resume rules and index. Only who
+``unimae index --engine ray`` builds the same folder as the single-process path (:mod:`unimae.retrieval.index`, or
+:mod:`unimae.retrieval.disk_index` with ``--store disk``): the same shards, manifest, resume rules and index. Only who
 embeds the missing shards changes:
 
 1. a Ray task with a worker's resources loads the encoder once and reports what the manifest records of it
@@ -11,16 +11,16 @@ embeds the missing shards changes:
    built another way), writes the manifest and passages, and stops at the first shard it would embed;
 3. Ray Data embeds every missing shard: one row per shard (first passage, ids, texts), ``map_batches`` over an
    ``ActorPoolStrategy(size=workers)`` of :class:`ShardEmbedder` actors (one ``Encoder.from_pretrained`` per
-   actor, ``num_gpus_per_worker`` GPUs each), each shard embedded as :func:`unimae.index._embed_shards` does it
-   (``encode_document(texts, normalize=True, dimensions=..., batch_size=...)``). Its vectors come back to the
-   driver, which writes the shard atomically with its SHA-256 (:func:`unimae.index.write_shard`): a shard is on
-   disk whole or not at all;
+   actor, ``num_gpus_per_worker`` GPUs each), each shard embedded as :func:`unimae.retrieval.index._embed_shards`
+   does it (``encode_document(texts, normalize=True, dimensions=..., batch_size=...)``). Its vectors come back to
+   the driver, which writes the shard atomically with its SHA-256 (:func:`unimae.retrieval.index.write_shard`): a
+   shard is on disk whole or not at all;
 4. ``build`` runs again, finds every shard, and builds the index.
 
 Ray does the scheduling, the actor restarts and task retries after a lost worker or node, and the data
 movement (its object store); nothing here distributes work by hand. A passage that makes its worker raise is
 not retried (an application error would fail again): the worker finds the passage and reports it with the shard,
-the driver stops the job with a :class:`~unimae.index.VectorIndexError` naming the passage id, the shards
+the driver stops the job with a :class:`~unimae.retrieval.index.VectorIndexError` naming the passage id, the shards
 finished before it stay, and a rerun resumes after the fix. Without an ``address`` a local Ray starts with
 ``workers * num_cpus_per_worker`` CPUs, so one command runs on a laptop and on a cluster (``address="auto"`` or
 ``ray://head:10001``), where every worker must reach the model and the adapter by the paths given (the driver
@@ -39,9 +39,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from unimae.disk_index import DiskIndex, DiskIndexConfig
-from unimae.embedding_spec import EmbeddingSpec
-from unimae.index import IndexConfig, VectorIndex, VectorIndexError, _shard_ok, write_shard
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.encoder import Encoder
+from unimae.retrieval.disk_index import DiskIndex, DiskIndexConfig
+from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError, _shard_ok, write_shard
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ class EncoderLoad:
     precision: str = "auto"
 
     def load(self):
-        from unimae.encoder import Encoder
-
         return Encoder.from_pretrained(
             self.model, adapter=self.adapter, max_length=self.max_length, precision=self.precision
         )
@@ -122,7 +121,7 @@ class _PlannedEncoder:
 
 
 class ShardEmbedder:
-    """A Ray actor: loads the encoder once, then embeds one shard per call as ``unimae.index`` does."""
+    """A Ray actor: loads the encoder once, then embeds one shard per call as ``unimae.retrieval.index`` does."""
 
     def __init__(self, load: EncoderLoad, facts: dict, batch_size: int, dimensions: int | None):
         self.encoder = load.load()
@@ -177,8 +176,8 @@ def build_on_ray(
     ray_config: RayConfig | None = None,
 ) -> VectorIndex | DiskIndex:
     """Build (or resume) the index of ``passages`` in ``directory``, embedding on Ray; the store is
-    :class:`~unimae.disk_index.DiskIndex` for a :class:`~unimae.disk_index.DiskIndexConfig`, else
-    :class:`~unimae.index.VectorIndex`. ``source`` and ``overwrite`` as in ``VectorIndex.build``."""
+    :class:`~unimae.retrieval.disk_index.DiskIndex` for a :class:`~unimae.retrieval.disk_index.DiskIndexConfig`, else
+    :class:`~unimae.retrieval.index.VectorIndex`. ``source`` and ``overwrite`` as in ``VectorIndex.build``."""
     config = config or IndexConfig()
     ray_config = ray_config or RayConfig()
     store = DiskIndex if isinstance(config, DiskIndexConfig) else VectorIndex
@@ -265,7 +264,7 @@ def embed_missing_shards(
 
 def _write_shards(rows, shards: Path, progress) -> None:
     """Write each embedded shard atomically as it arrives; the first shard a worker failed on stops the job
-    (nothing of it is written) with a :class:`~unimae.index.VectorIndexError` naming the passage."""
+    (nothing of it is written) with a :class:`~unimae.retrieval.index.VectorIndexError` naming the passage."""
     rows = iter(rows)
     try:
         for row in rows:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from unimae.corpus import enwiki_gensim_paragraphs
+from unimae.data.corpus import enwiki_gensim_paragraphs
 from unimae.encoder import Encoder
 from unimae.evaluation.local_data import read_jsonl
 from unimae.files import find_data_dir

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from unimae.corpus import CorpusError, jsonl_records
+from unimae.data.corpus import CorpusError, jsonl_records
 
 MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
 WEIGHT_RULES = ("size", "sqrt")

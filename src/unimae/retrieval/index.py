@@ -9,7 +9,7 @@ Layout of an index folder::
     index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
 
 Passages are embedded as documents (the adapter's ``document`` prompt, if it has one; queries are embedded with
-its ``query`` prompt by :mod:`unimae.rag`). ``dimensions`` builds the index over the first k coordinates
+its ``query`` prompt by :mod:`unimae.retrieval.rag`). ``dimensions`` builds the index over the first k coordinates
 (re-normalised; for an adapter trained with Matryoshka dimensions). Index kinds and memory per vector (D dims):
 
 =======  ===================================================================  ==============
@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from unimae.embedding_spec import EmbeddingSpec
+from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.vectors import finish_embeddings
 from unimae.files import atomic_write, atomic_write_json, atomic_write_text, file_sha256, read_json
 
 logger = logging.getLogger(__name__)
@@ -142,8 +143,6 @@ def _build_faiss(vectors: np.ndarray, config: IndexConfig):
 
 def _binary_codes(vectors: np.ndarray) -> np.ndarray:
     """(N, D) float -> (N, ceil(D / 8)) uint8 sign bits, by sentence-transformers' ``quantize_embeddings``."""
-    from unimae.encoder import finish_embeddings
-
     return finish_embeddings(vectors, None, False, "ubinary")
 
 

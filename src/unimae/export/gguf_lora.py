@@ -14,7 +14,7 @@ rsLoRA, ``rank_pattern`` / ``alpha_pattern``). So the file stores ``B`` pre-mult
 (``init_adapter``: trained on base + stage 1) becomes one pair per weight by concatenating along r:
 ``[B1 B2] [A1; A2] = B1 A1 + B2 A2``.
 
-Names and row order are the merged export's (:mod:`unimae.gguf_export`): the same ``TensorNameMap``, and
+Names and row order are the merged export's (:mod:`unimae.export.gguf`): the same ``TensorNameMap``, and
 Llama's q/k permutation applied to the rows of ``B``, so the adapter fits a base GGUF from ``--format gguf``
 without an adapter, or from llama.cpp's ``convert_hf_to_gguf.py``, of the same base model.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from unimae.adapter import adapter_meta, adapter_revision, attach_adapter, embedding_spec
-from unimae.files import atomic_write
-from unimae.gguf_export import (
+from unimae.export.base import check_exportable
+from unimae.export.gguf import (
     arch_rule,
     encode_tensor,
     file_types,
@@ -43,6 +43,8 @@ from unimae.gguf_export import (
     tensor_name_map,
     unimae_keys,
 )
+from unimae.files import atomic_write
+from unimae.models import load_model
 
 LORA_TYPES = ("f32", "f16")
 _MERGED_INSTEAD = "export --format gguf (the LoRA merged into one file) instead"
@@ -61,9 +63,6 @@ _INEXPRESSIBLE = {
 def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path, out_type: str = "f16") -> Path:
     """Write ``adapter`` (trained on base ``model``) to ``output`` as a llama.cpp LoRA-adapter GGUF; return its
     path. ``out_type``: f32 or f16. ValueError, with nothing written, for what the format cannot express."""
-    from unimae.export import check_exportable
-    from unimae.models import load_model
-
     if adapter is None:
         raise ValueError("--format gguf-lora writes an adapter: pass --adapter DIR (the base is --format gguf)")
     if out_type not in LORA_TYPES:

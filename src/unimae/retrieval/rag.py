@@ -24,11 +24,13 @@ from typing import Any
 import numpy as np
 
 from unimae.adapter import adapter_revision, model_revision
-from unimae.decoding import decode_tokens
-from unimae.disk_index import DiskIndex, open_index
-from unimae.encoder import Encoder, finish_embeddings
-from unimae.generation import GenerationParams, GenerationResult, generate_stream
-from unimae.index import Hit, VectorIndex, VectorIndexError
+from unimae.embedding.vectors import finish_embeddings
+from unimae.encoder import Encoder
+from unimae.generation.decoding import decode_tokens
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import GenerationResult, generate_stream
+from unimae.retrieval.disk_index import DiskIndex, open_index
+from unimae.retrieval.index import Hit, VectorIndex, VectorIndexError
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +219,7 @@ class RAG:
 
         ``prompt``: what :meth:`prepare` made of ``query`` (else it is made here, with ``k``, ``reuse_kv`` and
         ``on_model``). ``cancel`` (set by a caller whose client left) ends the generation within a token.
-        ``decode``: the token source (see :func:`~unimae.generation.generate_stream`; the server's batching
+        ``decode``: the token source (see :func:`~unimae.generation.stream.generate_stream`; the server's batching
         scheduler).
         """
         params = params or GenerationParams(max_new_tokens=128)

@@ -1,0 +1,36 @@
+"""What is done to finished embeddings: Matryoshka truncation, L2 normalisation, quantization.
+
+One function for every path that hands vectors out (``Encoder.encode``, the server's embeddings route, RAG's
+query, the binary index's codes), so they all truncate, normalise and quantize alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+EMBEDDING_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+
+
+def finish_embeddings(
+    vectors: np.ndarray, dimensions: int | None, normalize: bool, precision: str = "float32", **quantize_options
+) -> np.ndarray:
+    """(N, D) float32 -> the first ``dimensions`` coordinates, L2-normalised if asked (after truncation, as
+    Matryoshka models are used), then quantized to ``precision`` by sentence-transformers."""
+    if precision not in EMBEDDING_PRECISIONS:
+        raise ValueError(f"precision must be one of {list(EMBEDDING_PRECISIONS)}, got {precision!r}")
+    out = vectors[:, :dimensions] if dimensions else vectors  # (N, k)
+    if normalize and len(out):  # the same op as encode_inputs(normalize=True), row by row
+        out = torch.nn.functional.normalize(torch.from_numpy(np.ascontiguousarray(out)), dim=-1).numpy()
+    if precision == "float32":
+        return np.ascontiguousarray(out, dtype=np.float32)
+    try:
+        try:
+            from sentence_transformers.util.quantization import quantize_embeddings
+        except ImportError:  # sentence-transformers < 5.1
+            from sentence_transformers.quantization import quantize_embeddings
+    except ImportError as err:
+        raise ImportError(
+            f"precision={precision!r} quantizes with sentence-transformers: pip install 'unimae[eval]'"
+        ) from err
+    return quantize_embeddings(out, precision=precision, **quantize_options)

@@ -1,0 +1,267 @@
+"""The decoder's CPU fast path: a hand-written Llama step and oneDNN-packed bf16 weights, with module-level state.
+
+Both are taken by :class:`~unimae.generation.decoding.Decoder` wherever they apply; neither changes a number
+(tests/test_generation.py), only the time a step takes:
+
+* for Llama-family models (chosen by ``config.model_type`` in :data:`LEAN_MODEL_TYPES`) the one-token steps
+  run :class:`LlamaStep`, a flat loop over the layers with the same operations on the same modules
+  (bit-identical logits in fp32; a bf16 step attends in fp32, about 5x faster than PyTorch's bf16 SDPA for
+  one query on a CPU); other architectures (Gemma3: sliding windows, extra norms) take the model's forward;
+* under bf16 autocast on a CPU, linear layers in decode steps run on copies of their weights that
+  oneDNN packed once for single-row inputs (q/k/v and gate/up stacked): bit-identical to ``F.linear``
+  under autocast and about twice as fast for one row (SmolLM2 shapes). The copies cost about the bf16
+  weights' size again, made at the first bf16 generation. fp32 keeps ``F.linear`` (MKL is fast there).
+  What this takes: :func:`packed_linears` replaces ``forward`` on every plain ``nn.Linear`` of the model
+  (computing as before outside a packed step), and the packed copies live in module-level state
+  (``_PACKED``, keyed by the modules, and a per-thread ``_DECODING.packed`` switch set by
+  :func:`step_context`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from transformers import DynamicCache
+
+from unimae.generation.kv_cache import KVPool, attend_rows, preallocated
+from unimae.runtime.precision import autocast
+
+_DECODING = threading.local()  # .packed: this thread runs a bf16 decode step (see packed_linears)
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first nn.Linear of a group -> {ids: entry}
+_PACK_LOCK = threading.Lock()
+_LINEAR_POINTWISE = None  # torch.ops.mkldnn._linear_pointwise.default, resolved once (see packed_supported)
+
+
+def packed_supported(device: torch.device) -> bool:
+    """Whether this PyTorch build has oneDNN's packed bf16 linear on ``device``."""
+    global _LINEAR_POINTWISE
+    ok = bool(
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+    if ok and _LINEAR_POINTWISE is None:
+        _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+    return ok
+
+
+def _packed_group(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(packed weight, bias) in bf16 of ``group``'s linears stacked by output rows, packed by oneDNN for
+    one-row inputs; cached across generations and made again when a weight or bias changed (merge, load)."""
+    params = tuple(p for m in group for p in (m.weight, m.bias) if p is not None)
+    key = tuple(map(id, group))
+
+    def current() -> tuple | None:
+        entry = _PACKED.get(group[0], {}).get(key)
+        fresh = entry is not None and all(
+            a is b and a._version == v for a, b, v in zip(params, *entry[:2], strict=True)
+        )
+        return entry if fresh else None
+
+    entry = current()
+    if entry is None:
+        with _PACK_LOCK:
+            entry = current()  # another thread may have packed it meanwhile
+            if entry is None:
+                weight = torch.cat([m.weight.detach() for m in group]).to(torch.bfloat16)  # (sum out, in)
+                bias = None
+                if group[0].bias is not None:
+                    bias = torch.cat([m.bias.detach() for m in group]).to(torch.bfloat16)  # (sum out,)
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+                entry = (params, tuple(p._version for p in params), packed, bias)
+                _PACKED.setdefault(group[0], {})[key] = entry
+    return entry[2], entry[3]
+
+
+def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` under bf16 autocast (input, weight, bias cast to bf16; bf16 out), on a packed weight."""
+    rows = x.to(torch.bfloat16).reshape(-1, x.shape[-1])  # (N, in)
+    return _LINEAR_POINTWISE(rows, weight, bias, "none", [], "").view(*x.shape[:-1], -1)  # (..., out)
+
+
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``, or inside a bf16 decode step of this thread, the product on the packed weight."""
+    if getattr(_DECODING, "packed", False) and x.device.type == "cpu":
+        return _packed_product(*_packed_group((self,)), x)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def packed_linears(model) -> None:
+    """Route every plain ``nn.Linear`` of ``model`` (LoRA's base layers and A/B included) through
+    :func:`_linear_forward` (idempotent).
+
+    Outside a bf16 decode step (embedding, training, prefill, other threads) the modules compute exactly as
+    before; the packed copies (about the size of the bf16 weights) are made at the first step that needs them.
+    """
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and getattr(module.forward, "__func__", None) is not _linear_forward:
+            module.forward = types.MethodType(_linear_forward, module)
+
+
+@contextlib.contextmanager
+def step_context(precision: str, device: torch.device, packed: bool):
+    """Inference mode, autocast and the packed-linear switch for one forward (entered per step, so a
+    generator that yields between steps leaves no mode switched on in its consumer's code)."""
+    _DECODING.packed = packed
+    try:
+        with torch.inference_mode(), autocast(precision, device):
+            yield
+    finally:
+        _DECODING.packed = False
+
+
+LEAN_MODEL_TYPES = ("llama", "qwen2")  # decoder layers that compute exactly Llama's one-token step (below)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x cos + rotate_half(x) sin`` in two fewer operations, bit for bit.
+
+    ``rotate_half(x) sin = cat(-x2, x1) sin = roll(x, hd/2) cat(-sin1, sin2)`` (IEEE products are
+    sign-symmetric), so with ``signed_sin`` = :func:`_signed_sin` made once per step, RoPE is one roll and
+    three elementwise operations instead of two slices, a negation, a concatenation and three.
+    """
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` (..., hd) with its first half negated, for :func:`_rope`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _projection(modules: list, packed: bool):
+    """A function x (..., in) -> the outputs of ``modules`` side by side (..., sum out): one packed product over
+    their stacked weights when they are all plain ``nn.Linear`` on a packed step (q/k/v, gate/up: fewer oneDNN
+    calls, same numbers, as each output row is its own dot product), else each module (LoRA wrappers
+    included) on its own, concatenated where there are several."""
+    plain = all(type(m) is torch.nn.Linear for m in modules)
+    if packed and plain and len({m.bias is None for m in modules}) == 1:
+        weight, bias = _packed_group(tuple(modules))
+        return lambda x: _packed_product(weight, bias, x)
+    apply = (lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)) if plain else (lambda m, x: m(x))
+    if len(modules) == 1:
+        return lambda x: apply(modules[0], x)
+    return lambda x: torch.cat([apply(m, x) for m in modules], dim=-1)
+
+
+class _LayerStep(NamedTuple):
+    """What :class:`LlamaStep` calls in one decoder layer (projections as :func:`_projection` returns them)."""
+
+    norm1: Callable  # input RMSNorm
+    qkv: Callable  # x -> [q | k | v] side by side
+    out: Callable  # attention output -> o
+    heads: int  # query heads, H
+    kv_heads: int  # key/value heads, H_kv
+    head_dim: int
+    scale: float
+    gqa: dict  # SDPA's enable_gqa where key/value heads are shared
+    norm2: Callable  # post-attention RMSNorm
+    gate_up: Callable  # x -> [gate | up]
+    down: Callable  # x -> down
+    act: Callable
+
+
+class LlamaStep:
+    """The one-token forward of a Llama-family decoder (``LEAN_MODEL_TYPES``) over B independent sequences,
+    as a flat loop over its layers.
+
+    transformers' forward spends much of a 135M model's decode step outside arithmetic (module calls, mask
+    and position bookkeeping, attention dispatch). This loop runs the same operations on the same
+    modules, in the same order and dtypes, so at B = 1 its logits equal ``model(...)``'s bit for bit in
+    fp32 (tests check token identity; a bf16 step attends in fp32, see
+    :func:`~unimae.generation.kv_cache.one_query_attention`): the
+    embedding, rotary, norm and activation modules and any LoRA wrapper are called as they are; plain
+    ``nn.Linear`` weights are applied directly (stacked q/k/v and gate/up on a packed step); RoPE is
+    ``q cos + rotate_half(q) sin`` (as :func:`_rope` computes it, on queries and keys at once) and attention
+    is SDPA over the cached keys with grouped-query heads (``enable_gqa``), as transformers' ``sdpa``
+    attention runs one unmasked query.
+
+    B > 1 (in-flight batching, :mod:`unimae.serving.scheduler`): each row is its own sequence with its own
+    cache of its own length, no padding. Every projection (q/k/v, o, gate/up, down, LoRA included, and the
+    LM head) runs once on the stacked (B, 1, D) rows: a 135M model's step is bound by reading its weights,
+    so B rows cost about what one costs. RoPE takes each row's own position. Attention: rows whose caches are
+    slots of ``pool`` (:class:`~unimae.generation.kv_cache.KVPool`, ordered by slot, as :meth:`Decoder.step` passes
+    them) write their keys and attend in one call per layer, each row masked to its own length; otherwise row by
+    row over each row's cache. A row's logits equal its B = 1 logits up to the rounding of a B-row matrix
+    product against a one-row one and of a masked attention over a longer span (tests: greedy tokens
+    identical in fp32).
+    """
+
+    def __init__(self, model, packed: bool, pooled: bool = False):
+        decoder = model.get_decoder()
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.head = _projection([model.get_output_embeddings()], packed)
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                _LayerStep(
+                    norm1=layer.input_layernorm,
+                    qkv=_projection([attn.q_proj, attn.k_proj, attn.v_proj], packed),
+                    out=_projection([attn.o_proj], packed),
+                    heads=attn.q_proj.out_features // attn.head_dim,
+                    kv_heads=attn.k_proj.out_features // attn.head_dim,
+                    head_dim=attn.head_dim,
+                    scale=attn.scaling,
+                    gqa={"enable_gqa": True} if attn.num_key_value_groups > 1 else {},
+                    norm2=layer.post_attention_layernorm,
+                    gate_up=_projection([mlp.gate_proj, mlp.up_proj], packed),
+                    down=_projection([mlp.down_proj], packed),
+                    act=mlp.act_fn,
+                )
+            )
+        first, device = self.layers[0], next(model.parameters()).device
+        self.pool = KVPool(len(self.layers), first.kv_heads, first.head_dim, device) if pooled else None
+
+    @staticmethod
+    def supports_model(model) -> bool:
+        """True for a Llama-family model in eval mode with SDPA attention."""
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return (
+            not model.training
+            and config.model_type in LEAN_MODEL_TYPES
+            and getattr(config, "_attn_implementation", None) == "sdpa"
+            and head_dim <= 256
+        )
+
+    @staticmethod
+    def supports(model, cache: DynamicCache) -> bool:
+        """:meth:`supports_model`, with a cache whose layers are all :class:`PreallocatedLayer`."""
+        return LlamaStep.supports_model(model) and preallocated(cache)
+
+    def __call__(self, tokens: torch.Tensor, caches: list[DynamicCache]) -> torch.Tensor:
+        """tokens (B, 1), row b continuing the sequence in ``caches[b]`` -> next-token logits (B, V);
+        appends each row's keys/values to its own cache."""
+        rows = [cache.layers for cache in caches]
+        batch = tokens.shape[0]
+        pooled = batch > 1 and self.pool is not None and all(self.pool.owns(cache) for cache in caches)
+        plan = self.pool.plan(caches) if pooled else None
+        position = torch.tensor([[layers[0].length] for layers in rows], device=tokens.device)  # (B, 1)
+        h = self.embed(tokens)  # (B, 1, D)
+        cos, sin = self.rotary(h, position)  # (B, 1, hd) each
+        cos, sin = cos.unsqueeze(1), _signed_sin(sin).unsqueeze(1)  # (B, 1, 1, hd): broadcast over heads
+        for depth, layer in enumerate(self.layers):
+            qkv = layer.qkv(layer.norm1(h)).view(batch, 1, -1, layer.head_dim).transpose(1, 2)  # (B, H+2H_kv, 1, hd)
+            qk = _rope(qkv[:, : layer.heads + layer.kv_heads], cos, sin)  # queries and keys rotated at once
+            q, k, v = qk[:, : layer.heads], qk[:, layer.heads :], qkv[:, layer.heads + layer.kv_heads :]
+            if plan is not None:
+                a = self.pool.attend(depth, q, k, v, plan, layer.scale, layer.gqa)  # (B, H, 1, hd)
+            else:
+                a = attend_rows(q, k, v, [layers[depth] for layers in rows], layer.scale, layer.gqa)  # (B, H, 1, hd)
+            h = h + layer.out(a.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
+            gate, up = layer.gate_up(layer.norm2(h)).chunk(2, dim=-1)
+            h = h + layer.down(layer.act(gate) * up)
+        if plan is not None:  # the pool wrote every layer's new position
+            for layers in rows:
+                for cache_layer in layers:
+                    cache_layer.advance(1)
+        return self.head(self.norm(h))[:, -1]  # (B, V)

@@ -1,0 +1,110 @@
+"""The supervised contrastive objective (UniMAE App. D): queries against their positives, on pooled embeddings.
+
+The other positives and the hard negatives of the batch are the negatives (optionally symmetric, minus known
+false negatives); optional terms: the next-token loss of the positives (GritLM's joint objective) and
+Matryoshka prefixes. Pools with any rule/attention. :class:`~unimae.losses.grad_cache.GradCacheContrastiveObjective`
+computes the same loss over a batch too large for one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unimae.embedding.pooling import last_hidden, pool
+from unimae.losses.cross_entropy import logit_softcap
+from unimae.losses.info_nce import info_nce
+from unimae.losses.next_token import NextTokenLoss
+from unimae.losses.objective import Objective
+
+
+class ContrastiveObjective(Objective):
+    """forward(batch) -> {"loss", "contrastive"[, "lm"]}; batch rows: B queries, B positives, then K hard negatives.
+
+    Batch keys: input_ids, attention_mask, pool_mask (2B + K, T), ``num_queries`` = B, and optionally
+    ``false_negatives`` (B, B + K) bool: candidates left out of query i's softmax. ``symmetric``: also each
+    positive against the queries (``info_nce(..., symmetric=True)``).
+
+    ``lm_weight`` > 0 adds ``lm_weight x L_LM``, L_LM the next-token cross-entropy of the B positives (each
+    text's mean over its tokens, then the mean over texts; ``lm_texts`` > 0: of the first ``lm_texts`` of them
+    only), computed from the same forward pass as their embeddings: GritLM's joint objective (Muennighoff et
+    al. 2024, Eq. 3, ``L = L_Rep + lambda L_Gen``), here on the pairs' own positives rather than separate
+    instruction data, so that the adapter keeps generating.
+
+    ``matryoshka_dims`` (Kusupati et al. 2022, Matryoshka Representation Learning, arXiv:2205.13147): the loss is
+    ``sum_{m in M} L_InfoNCE(z[:, :m])`` over M = the full dimension D and each given prefix size m, every
+    prefix re-normalised before the cosine (``info_nce`` normalises), weights 1: what sentence-transformers'
+    ``MatryoshkaLoss`` computes around its inner loss. That class wraps a SentenceTransformer module's forward;
+    here the embeddings are already pooled (and cached by the gradient cache), so the sum is taken directly.
+    """
+
+    def __init__(
+        self,
+        llm: nn.Module,
+        temperature: float = 0.05,
+        attention: str = "causal",
+        symmetric: bool = False,
+        lm_weight: float = 0.0,
+        lm_texts: int = 0,
+        ce_chunk_size: int = 1024,
+        matryoshka_dims: tuple[int, ...] = (),
+    ):
+        super().__init__(llm)
+        self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
+        self.lm_weight, self.lm_texts = lm_weight, lm_texts
+        self.ntp = NextTokenLoss(ce_chunk_size, logit_softcap(llm.config))
+        full = llm.config.hidden_size
+        if any(m > full for m in matryoshka_dims):
+            raise ValueError(f"--matryoshka-dims {list(matryoshka_dims)}: each must be at most the model's size {full}")
+        self.dims = tuple(sorted({*matryoshka_dims, full}))  # M: the prefix sizes, the full vector last
+
+    def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
+        """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``)."""
+        b = int(batch["num_queries"])
+        exclude = batch.get("false_negatives")
+        losses = [
+            info_nce(
+                z[:b, :m], z[b:, :m], self.temperature, exclude=exclude, symmetric=self.symmetric
+            )  # (B, m) vs (B+K, m)
+            for m in self.dims
+        ]
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+
+    def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Pooled embeddings (len(rows), D) of some rows of ``batch``."""
+        hidden, _, _, pool_mask = self._hidden(batch, rows)
+        return pool(hidden, pool_mask)
+
+    def embed_and_lm(self, batch, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`embed`, these rows' share of ``lm_weight x L_LM``: see :meth:`lm_share`), from one forward."""
+        hidden, ids, mask, pool_mask = self._hidden(batch, rows)
+        return pool(hidden, pool_mask), self.lm_share(hidden, ids, mask, rows, batch)
+
+    def _hidden(self, batch, rows: torch.Tensor | slice):
+        """(last-layer states (R, T', D), input ids, attention mask, pool mask (R, T')) of some rows, the padding
+        columns they all share cut off (positions come from the mask, so cutting pads is exact)."""
+        mask = batch["attention_mask"][rows]  # (R, T)
+        used = mask.any(0).nonzero()
+        cols = slice(int(used.min()), int(used.max()) + 1)
+        ids, mask, pool_mask = batch["input_ids"][rows][:, cols], mask[:, cols], batch["pool_mask"][rows][:, cols]
+        return last_hidden(self.llm, ids, mask, pool_mask, self.attention), ids, mask, pool_mask
+
+    def lm_share(self, hidden, ids, mask, rows: torch.Tensor | slice, batch) -> torch.Tensor:
+        """``lm_weight`` x the sum over the scored positives among ``rows`` of each one's mean next-token CE, / the
+        number of scored positives (B, or ``lm_texts``): the shares of any split of the batch into rows add up to
+        ``lm_weight x L_LM``. hidden (R, T, D), ids / mask (R, T) right-padded -> scalar (0 without scored
+        positives among the rows, or with ``lm_weight`` 0)."""
+        b = int(batch["num_queries"])
+        scored = min(b, self.lm_texts) if self.lm_texts else b  # rows b .. b + scored - 1
+        index = torch.arange(batch["input_ids"].shape[0], device=ids.device)[rows]  # (R,) row numbers in the batch
+        positive = (index >= b) & (index < b + scored)  # (R,)
+        if self.lm_weight == 0 or not positive.any():
+            return hidden.new_zeros((), dtype=torch.float32)
+        mean = self.ntp(hidden[positive], ids[positive], mask[positive], self.llm.get_output_embeddings())
+        return self.lm_weight * mean * positive.sum() / scored
+
+    def forward(self, batch) -> dict[str, torch.Tensor]:
+        z, lm = self.embed_and_lm(batch)  # (2B + K, D), scalar
+        contrastive = self.loss(z, batch)
+        out = {"loss": contrastive + lm, "contrastive": contrastive.detach()}
+        return {**out, "lm": (lm / self.lm_weight).detach()} if self.lm_weight else out
