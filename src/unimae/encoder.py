@@ -29,8 +29,9 @@ from unimae.generation.kv_cache import returned_cache
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import generate_text
 from unimae.release import resolve_adapter
+from unimae.runtime.int8 import quantize_linears
 from unimae.runtime.memory import tune_allocator
-from unimae.runtime.precision import autocast, default_device, resolve_precision, weight_dtype
+from unimae.runtime.precision import autocast, default_device, resolve_inference_precision, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ class Encoder:
 
     How it embeds is one :class:`EmbeddingSpec` (``spec``): pass it, or its parts (``pooling``,
     ``attention`` and pooling options such as ``summary_ids``).
+
+    ``precision``: one of :data:`~unimae.runtime.precision.INFERENCE_PRECISIONS` ('auto', 'bf16', 'fp32',
+    'int8-decode', 'int8'; :mod:`unimae.runtime.precision` says what each runs and what 'auto' picks where).
+    With 'int8' the model's linear layers are replaced by dynamically quantized ones here (in place).
     """
 
     def __init__(
@@ -61,7 +66,9 @@ class Encoder:
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self.precision = resolve_precision(precision, self.device)
+        self.precision = resolve_inference_precision(precision, self.device)
+        if self.precision == "int8":
+            quantize_linears(self.model)  # a LoRA adapter's own layers stay fp32
         self.padding_side = padding_side
         self.adapter_merged = False
 
@@ -95,17 +102,24 @@ class Encoder:
         rule comes from the adapter unless ``attention`` is given (None: the adapter's).
 
         ``merge``: fold the LoRA update into the weights (in fp32, then cast to the run precision), so
-        inference runs plain matmuls (about 2x faster on CPU for short texts). The default (None) merges only
-        in fp32, where it is exact: rounding ``W + dW`` to bf16 loses part of the small update ``dW`` (on the
-        dev suite it cost UniMAE 0.5 points on average), while unmerged bf16 keeps ``dW`` apart as in
-        training. ``merge=True`` trades that for speed (e.g. ``unimae serve --merge``); ``merge=False`` also
-        keeps the base model reachable through :meth:`adapter_disabled`.
+        inference runs plain matmuls (about 2x faster on CPU for short texts). The default (None) merges
+        except in bf16: in fp32 the merge is exact; rounding ``W + dW`` to bf16 loses part of the small update
+        ``dW`` (on the dev suite it cost UniMAE 0.5 points on average), while unmerged bf16 keeps ``dW`` apart as
+        in training. The int8 precisions merge in fp32 and then quantize ``W + dW`` (int8 adds the same rounding
+        noise to ``W`` unmerged, which the adapter was not trained against either; ``int8-decode`` embeds with
+        the exact fp32 merge). ``merge=True`` trades bf16's exactness for speed (e.g. ``unimae serve --merge``);
+        ``merge=False`` also keeps the base model reachable through :meth:`adapter_disabled` (under int8 the
+        adapter's own layers then stay fp32 beside the int8 base).
+
+        ``precision`` (in ``kwargs``): see :class:`Encoder`; 'auto' picks 'int8-decode' on CPUs without native
+        bf16 (AVX2): fp32 embeddings, int8 weights in the decode steps.
         """
         adapter = resolve_adapter(adapter)  # a folder, or the name of a released adapter
         device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
-        precision = resolve_precision(kwargs.get("precision", "auto"), device)
+        precision = resolve_inference_precision(kwargs.get("precision", "auto"), device)
+        kwargs["precision"] = precision  # resolved once: the Encoder quantizes for 'int8'
         spec = _resolve_spec(embedding_spec(adapter), pooling, attention, kwargs)
-        merged = adapter is not None and (merge if merge is not None else precision == "fp32")
+        merged = adapter is not None and (merge if merge is not None else precision != "bf16")
         llm, tokenizer, _ = load_with_adapter(model, adapter, weight_dtype(precision), merge=merged)
         if adapter is not None and not merged and precision == "bf16":
             skip_input_upcast(llm)  # every forward of an Encoder runs under autocast

@@ -14,9 +14,23 @@ from pathlib import Path
 from unimae.cli.arguments import add_command, add_model_arguments, add_pooling_argument
 
 
+def inference_precisions(parser: argparse.ArgumentParser) -> None:
+    """Let ``--precision`` take the inference precisions too (``int8-decode``, ``int8``; see
+    :mod:`unimae.runtime.precision`)."""
+    from unimae.runtime.precision import INFERENCE_PRECISIONS
+
+    action = parser._option_string_actions["--precision"]
+    action.choices = INFERENCE_PRECISIONS
+    action.help = (
+        "auto = bf16 where the CPU/GPU runs it natively, else (CPU) int8-decode: fp32 embeddings, int8 weights in "
+        "the decode steps; int8 = int8-decode and int8 embedding forwards too (opt-in: changes the embeddings)."
+    )
+
+
 def add_embed_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "embed", "Embed texts (arguments, a file, or stdin; one per line).", _embed)
     add_model_arguments(parser)
+    inference_precisions(parser)
     parser.add_argument("texts", nargs="*", help="Texts to embed; if none, read --input or stdin.")
     parser.add_argument(
         "--input",
@@ -46,6 +60,7 @@ def add_embed_parser(sub: argparse._SubParsersAction) -> None:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(sub, "generate", "Generate text with the same model (and adapter).", _generate)
     add_model_arguments(parser)
+    inference_precisions(parser)
     parser.add_argument("prompt", help="Text to continue.")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate at most.")
     parser.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")

@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
+from unimae.cli.embed import inference_precisions
 from unimae.serving.config import ServerConfig, check_api_key
 from unimae.training.config import add_dataclass_arguments
 
@@ -28,6 +29,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         sub, "serve", "OpenAI-compatible server: embeddings, completions, chat (+ RAG with --index).", _serve
     )
     add_model_arguments(parser, from_index=True)
+    inference_precisions(parser)
     parser.add_argument(
         "--engine",
         default="torch",

@@ -10,14 +10,17 @@ each layer. :func:`decode_tokens` keeps what a step needs:
 * a KV cache preallocated for the prompt and ``max_new_tokens`` (:class:`PreallocatedLayer`): a step
   writes one position and attends over a view;
 * one-token steps on the CPU fast path of :mod:`unimae.generation.fast_path` where it applies (its
-  :class:`LlamaStep` for Llama-family models, oneDNN-packed bf16 weights), the model's forward otherwise;
+  :class:`LlamaStep` for Llama-family models, oneDNN-packed bf16 weights, int8 weights under the int8
+  precisions), the model's forward otherwise;
 * a step can advance B independent generations at once (:class:`Decoder`, :class:`DecodeState`), each
   with its own cache: the server's in-flight batching (:mod:`unimae.serving.scheduler`) runs the
   projections once over the B rows and attention row by row (see :class:`LlamaStep`).
 
 Greedy output is token-identical to ``model.generate(do_sample=False)`` (tests/test_generation.py, fp32
 on Llama, Gemma3 and Qwen2, with and without LoRA and a prefix cache; in bf16 where oneDNN runs it, against
-``generate`` with its one-query attention in fp32 too). The next token is picked by
+``generate`` with its one-query attention in fp32 too). The int8 precisions round the decode steps' weights
+to int8, so their tokens follow fp32's only as far as the rounding leaves the argmax alone
+(tests/test_precision_int8.py). The next token is picked by
 :func:`~unimae.generation.sampling.pick_token` (greedy, or a seeded temperature / top-p draw).
 """
 
@@ -31,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from unimae.generation.fast_path import LlamaStep, packed_linears, packed_supported, step_context
+from unimae.generation.fast_path import LlamaStep, decode_weights, int8_linears, packed_linears, step_context
 from unimae.generation.kv_cache import KVPool, preallocated, reusable_prefix, start_cache, with_cache
 from unimae.generation.sampling import GenerationParams, pick_token
 
@@ -142,16 +145,18 @@ class Decoder:
     A step runs :class:`LlamaStep` over every state whose cache it supports (Llama-family models), and the
     model's own forward, state by state, over the others (Gemma3: sliding windows and extra norms; correct
     but not faster than one generation after another). Built once per generation by :func:`decode_tokens`,
-    once per server by the scheduler: its packed bf16 weights are taken at construction, so the model's
+    once per server by the scheduler: its packed bf16 or int8 weights are taken at construction, so the model's
     weights must not change while it is in use.
     """
 
     def __init__(self, model, precision: str = "fp32"):
         self.model, self.precision = model, precision
         self.device = next(model.parameters()).device
-        self.packed = precision == "bf16" and packed_supported(self.device)
-        if self.packed:
+        self.packed = decode_weights(precision, self.device)  # "bf16", "int8" or None
+        if self.packed == "bf16":
             packed_linears(model)
+        elif self.packed == "int8":
+            int8_linears(model)
         contiguous_head_input(model)
         self.pool = self.lean = None
         if LlamaStep.supports_model(model):  # a pool only where every layer attends over all positions
@@ -167,7 +172,7 @@ class Decoder:
 
     def prefill(self, state: DecodeState) -> int:
         """Feed the state's prompt tail with the model's own forward -> the first new token."""
-        with step_context(self.precision, self.device, False):
+        with step_context(self.precision, self.device, None):
             return state.take(self._forward(state))
 
     def prefill_many(self, states: list[DecodeState], budget: int | None = None) -> list[int]:
@@ -181,7 +186,7 @@ class Decoder:
         cache to continue, a cache of its own) are prefilled one by one. A row's first token equals the one
         its own prefill gives up to the rounding of a bigger matrix product (tests: identical in fp32).
         """
-        with step_context(self.precision, self.device, False):
+        with step_context(self.precision, self.device, None):
             logits: dict[int, torch.Tensor] = {}
             group = [i for i, s in enumerate(states) if self._joins_padded_prefill(s)]
             for chunk in padded_groups([states[i].feed.shape[1] for i in group], budget or PREFILL_TOKENS):
@@ -275,8 +280,8 @@ def decode_tokens(
 
 def warm_up(model, precision: str) -> None:
     """Make what the first generation would make (oneDNN-packed bf16 weights, about the bf16 weights' size,
-    0.1-1 s for a 135M model), so the first request does not pay for it; ``ServerState.build`` calls it.
-    A no-op in fp32."""
-    if precision == "bf16" and packed_supported(next(model.parameters()).device):
+    0.1-1 s for a 135M model; int8 copies of fp32 weights), so the first request does not pay for it;
+    ``ServerState.build`` calls it. A no-op in fp32."""
+    if decode_weights(precision, next(model.parameters()).device) is not None:
         for _ in decode_tokens(model, [0], GenerationParams(max_new_tokens=2), set(), precision):
             pass

@@ -1,7 +1,9 @@
-"""The decoder's CPU fast path: a hand-written Llama step and oneDNN-packed bf16 weights, with module-level state.
+"""The decoder's CPU fast path: a hand-written Llama step, oneDNN-packed bf16 weights and int8 weights, with
+module-level state.
 
-Both are taken by :class:`~unimae.generation.decoding.Decoder` wherever they apply; neither changes a number
-(tests/test_generation.py), only the time a step takes:
+The first two are taken by :class:`~unimae.generation.decoding.Decoder` wherever they apply; neither changes a
+number (tests/test_generation.py), only the time a step takes. The third is the one-token steps of the int8
+precisions (``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`), which round the weights:
 
 * for Llama-family models (chosen by ``config.model_type`` in :data:`LEAN_MODEL_TYPES`) the one-token steps
   run :class:`LlamaStep`, a flat loop over the layers with the same operations on the same modules
@@ -15,6 +17,13 @@ Both are taken by :class:`~unimae.generation.decoding.Decoder` wherever they app
   (computing as before outside a packed step), and the packed copies live in module-level state
   (``_PACKED``, keyed by the modules, and a per-thread ``_DECODING.packed`` switch set by
   :func:`step_context`).
+* under an int8 precision on a CPU, the decode steps' linear layers read int8 copies of their weights with one
+  fp32 scale per output row (weight-only int8, :mod:`unimae.runtime.int8`; ``aten._weight_int8pack_mm``; q/k/v
+  and gate/up stacked), made at the first such generation (a quarter of the fp32 weights' size; with
+  ``precision='int8'`` the dynamically quantized layers' own int8 weights, no copy). A LoRA adapter's own layers
+  (unmerged) keep fp32 (:func:`int8_linears`). Prefill keeps the model's forward, so the first new token is
+  the one the embedding precision gives. The ``_DECODING.packed`` switch names which copies a step reads
+  (``"bf16"``, ``"int8"`` or None: :func:`decode_weights`).
 """
 
 from __future__ import annotations
@@ -30,10 +39,11 @@ import torch
 from transformers import DynamicCache
 
 from unimae.generation.kv_cache import KVPool, attend_rows, preallocated
-from unimae.runtime.precision import autocast
+from unimae.runtime.int8 import int8_product, int8_weight, quantizable_linears
+from unimae.runtime.precision import INT8_PRECISIONS, autocast, int8_supported
 
-_DECODING = threading.local()  # .packed: this thread runs a bf16 decode step (see packed_linears)
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first nn.Linear of a group -> {ids: entry}
+_DECODING = threading.local()  # .packed: "bf16" / "int8" while this thread runs such a decode step, else None
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first linear of a group -> {(kind, ids): entry}
 _PACK_LOCK = threading.Lock()
 _LINEAR_POINTWISE = None  # torch.ops.mkldnn._linear_pointwise.default, resolved once (see packed_supported)
 
@@ -53,11 +63,48 @@ def packed_supported(device: torch.device) -> bool:
     return ok
 
 
-def _packed_group(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(packed weight, bias) in bf16 of ``group``'s linears stacked by output rows, packed by oneDNN for
-    one-row inputs; cached across generations and made again when a weight or bias changed (merge, load)."""
-    params = tuple(p for m in group for p in (m.weight, m.bias) if p is not None)
-    key = tuple(map(id, group))
+def decode_weights(precision: str, device: torch.device) -> str | None:
+    """Which weight copies the decode steps of ``precision`` read on ``device``: "bf16" (oneDNN-packed), "int8"
+    (weight-only int8), or None (the modules' own weights)."""
+    if precision == "bf16" and packed_supported(device):
+        return "bf16"
+    if precision in INT8_PRECISIONS and int8_supported(device):
+        return "int8"
+    return None
+
+
+def _bias(module: torch.nn.Module) -> torch.Tensor | None:
+    bias = module.bias
+    return bias() if callable(bias) else bias  # a dynamically quantized linear's bias is a method
+
+
+def _bf16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(packed weight, bias) in bf16 of ``group``'s linears stacked by output rows, packed by oneDNN for one row."""
+    weight = torch.cat([m.weight.detach() for m in group]).to(torch.bfloat16)  # (sum out, in)
+    bias = None
+    if group[0].bias is not None:
+        bias = torch.cat([m.bias.detach() for m in group]).to(torch.bfloat16)  # (sum out,)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1), bias
+
+
+def _int8_copy(group: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(int8 weight, fp32 scales, fp32 bias or None) of ``group``'s linears stacked by output rows."""
+    parts = [int8_weight(m) for m in group]
+    weight = torch.cat([p[0] for p in parts])  # (sum out, in) int8
+    scales = torch.cat([p[1] for p in parts])  # (sum out,)
+    bias = torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None  # (sum out,)
+    return weight, scales, bias
+
+
+_COPIES = {"bf16": _bf16_copy, "int8": _int8_copy}
+
+
+def _packed_group(group: tuple[torch.nn.Module, ...], kind: str = "bf16") -> tuple:
+    """The ``kind`` copy of ``group``'s weights (:data:`_COPIES`: bf16 ``(packed weight, bias)``, int8 ``(weight,
+    scales, bias)``), stacked by output rows; cached across generations and made again when a weight or bias
+    changed (merge, load)."""
+    params = tuple(p for m in group for p in (m.weight, m.bias) if isinstance(p, torch.Tensor))
+    key = (kind, *map(id, group))
 
     def current() -> tuple | None:
         entry = _PACKED.get(group[0], {}).get(key)
@@ -71,14 +118,9 @@ def _packed_group(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, tor
         with _PACK_LOCK:
             entry = current()  # another thread may have packed it meanwhile
             if entry is None:
-                weight = torch.cat([m.weight.detach() for m in group]).to(torch.bfloat16)  # (sum out, in)
-                bias = None
-                if group[0].bias is not None:
-                    bias = torch.cat([m.bias.detach() for m in group]).to(torch.bfloat16)  # (sum out,)
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                entry = (params, tuple(p._version for p in params), packed, bias)
+                entry = (params, tuple(p._version for p in params), *_COPIES[kind](group))
                 _PACKED.setdefault(group[0], {})[key] = entry
-    return entry[2], entry[3]
+    return entry[2:]
 
 
 def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -87,11 +129,20 @@ def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     return _LINEAR_POINTWISE(rows, weight, bias, "none", [], "").view(*x.shape[:-1], -1)  # (..., out)
 
 
-def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward``, or inside a bf16 decode step of this thread, the product on the packed weight."""
-    if getattr(_DECODING, "packed", False) and x.device.type == "cpu":
+def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own forward, or inside a decode step of this thread, the product on its packed bf16 copy (a
+    plain ``nn.Linear``) or on its int8 weights (a layer :func:`int8_linears` marked)."""
+    kind = getattr(_DECODING, "packed", None)
+    if kind == "bf16" and type(self) is torch.nn.Linear and x.device.type == "cpu":
         return _packed_product(*_packed_group((self,)), x)
-    return torch.nn.functional.linear(x, self.weight, self.bias)
+    if kind == "int8" and getattr(self, "_unimae_int8", False) and x.device.type == "cpu":
+        return int8_product(*_packed_group((self,), "int8"), x)
+    return type(self).forward(self, x)
+
+
+def _route(module: torch.nn.Module) -> None:
+    if getattr(module.forward, "__func__", None) is not _linear_forward:
+        module.forward = types.MethodType(_linear_forward, module)
 
 
 def packed_linears(model) -> None:
@@ -102,20 +153,35 @@ def packed_linears(model) -> None:
     before; the packed copies (about the size of the bf16 weights) are made at the first step that needs them.
     """
     for module in model.modules():
-        if type(module) is torch.nn.Linear and getattr(module.forward, "__func__", None) is not _linear_forward:
-            module.forward = types.MethodType(_linear_forward, module)
+        if type(module) is torch.nn.Linear:
+            _route(module)
+
+
+def int8_linears(model) -> None:
+    """Mark the linear layers of ``model`` whose weights an int8 decode step reads as int8 (plain ``nn.Linear`` and
+    dynamically quantized ones, a LoRA adapter's own layers left out: :func:`unimae.runtime.int8.quantizable_linears`)
+    and route them through :func:`_linear_forward` (idempotent). Outside an int8 decode step they compute as
+    before; the int8 copies of plain layers (a quarter of their fp32 size) are made at the first step."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    names = set(quantizable_linears(model))
+    for name, module in model.named_modules():
+        if name in names or type(module) is DynamicQuantizedLinear:
+            module._unimae_int8 = True
+            _route(module)
 
 
 @contextlib.contextmanager
-def step_context(precision: str, device: torch.device, packed: bool):
-    """Inference mode, autocast and the packed-linear switch for one forward (entered per step, so a
-    generator that yields between steps leaves no mode switched on in its consumer's code)."""
+def step_context(precision: str, device: torch.device, packed: str | None):
+    """Inference mode, autocast and the packed-linear switch (``packed``: which copies, :func:`decode_weights`) for
+    one forward (entered per step, so a generator that yields between steps leaves no mode switched on in its
+    consumer's code)."""
     _DECODING.packed = packed
     try:
         with torch.inference_mode(), autocast(precision, device):
             yield
     finally:
-        _DECODING.packed = False
+        _DECODING.packed = None
 
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")  # decoder layers that compute exactly Llama's one-token step (below)
@@ -137,15 +203,20 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _projection(modules: list, packed: bool):
+def _projection(modules: list, packed: str | None):
     """A function x (..., in) -> the outputs of ``modules`` side by side (..., sum out): one packed product over
-    their stacked weights when they are all plain ``nn.Linear`` on a packed step (q/k/v, gate/up: fewer oneDNN
-    calls, same numbers, as each output row is its own dot product), else each module (LoRA wrappers
-    included) on its own, concatenated where there are several."""
+    their stacked weights when they are all plain ``nn.Linear`` on a bf16 packed step (q/k/v, gate/up: fewer
+    oneDNN calls, same numbers, as each output row is its own dot product) or all marked by :func:`int8_linears`
+    on an int8 step, else each module (LoRA wrappers included) on its own, concatenated where there are several."""
     plain = all(type(m) is torch.nn.Linear for m in modules)
-    if packed and plain and len({m.bias is None for m in modules}) == 1:
+    marked = all(getattr(m, "_unimae_int8", False) for m in modules)  # plain or dynamically quantized linears
+    same_bias = (plain or marked) and len({_bias(m) is None for m in modules}) == 1
+    if packed == "bf16" and plain and same_bias:
         weight, bias = _packed_group(tuple(modules))
         return lambda x: _packed_product(weight, bias, x)
+    if packed == "int8" and marked and same_bias:
+        weight, scales, bias = _packed_group(tuple(modules), "int8")
+        return lambda x: int8_product(weight, scales, bias, x)
     apply = (lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)) if plain else (lambda m, x: m(x))
     if len(modules) == 1:
         return lambda x: apply(modules[0], x)
@@ -195,7 +266,7 @@ class LlamaStep:
     identical in fp32).
     """
 
-    def __init__(self, model, packed: bool, pooled: bool = False):
+    def __init__(self, model, packed: str | None, pooled: bool = False):
         decoder = model.get_decoder()
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = _projection([model.get_output_embeddings()], packed)

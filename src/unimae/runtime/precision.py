@@ -1,4 +1,25 @@
-"""Device and mixed-precision choice: bf16 autocast where the hardware runs it natively."""
+"""Device and precision choice: bf16 autocast where the hardware runs it natively, int8 weights where it does not.
+
+Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~unimae.encoder.Encoder`,
+``unimae embed / generate / serve``) among :data:`INFERENCE_PRECISIONS`, which adds two int8 values:
+
+* ``int8-decode``: embeddings in fp32 (the same numbers as ``fp32``); the one-token decode steps read each linear
+  layer's weights as int8 with one fp32 scale per output row (weight-only int8, activations and accumulation in
+  fp32: ``torch.ops.aten._weight_int8pack_mm``, :mod:`unimae.generation.fast_path`). A decode step of a small
+  model is bound by reading its weights, so a quarter of fp32's bytes is where CPUs without native bf16 (AVX2)
+  gain; the prompt's prefill (compute-bound) stays fp32, so the first new token is fp32's.
+* ``int8``: ``int8-decode``, and the embedding forwards through dynamically quantized linear layers too
+  (``torch.ao.quantization.quantize_dynamic``: int8 weights per output row, int8 activations per call, fbgemm's
+  int8 products). This changes the embeddings (their dev-suite cost is not measured yet), so it is opt-in:
+  ``auto`` never picks it. A separate flag was not worth it: the CLI's one ``--precision`` already names how the
+  loaded model computes, and ``int8`` keeps only the int8 weights in memory (a quarter of fp32's).
+
+What ``auto`` picks (:func:`resolve_inference_precision`): ``bf16`` where the device runs bf16 natively (CUDA with
+bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other CPUs (AVX2) ``int8-decode`` when this PyTorch has
+the weight-only int8 kernel, else ``fp32``; ``fp32`` on other devices. :func:`resolve_precision` (training,
+evaluation) keeps ``auto`` -> ``bf16`` or ``fp32``. Under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` a
+bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks there what it picks on a real AVX2 CPU.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +28,8 @@ import contextlib
 import torch
 
 PRECISIONS = ("auto", "bf16", "fp32")
+INT8_PRECISIONS = ("int8-decode", "int8")
+INFERENCE_PRECISIONS = (*PRECISIONS, *INT8_PRECISIONS)
 
 
 def default_device() -> torch.device:
@@ -24,8 +47,14 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
+def int8_supported(device: torch.device) -> bool:
+    """Whether this PyTorch build has the weight-only int8 matrix product (``aten._weight_int8pack_mm``) on ``device``
+    (a CPU; its vectorized kernels cover AVX2 and AVX-512)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """'auto' -> 'bf16' where supported natively, else 'fp32'."""
+    """'auto' -> 'bf16' where supported natively, else 'fp32' (training and evaluation: :data:`PRECISIONS`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "auto":
@@ -33,14 +62,33 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+def resolve_inference_precision(precision: str, device: torch.device) -> str:
+    """A precision of :data:`INFERENCE_PRECISIONS` -> what an :class:`~unimae.encoder.Encoder` runs: 'auto' ->
+    'bf16' where the device runs it natively, else 'int8-decode' on a CPU with the int8 kernel, else 'fp32'
+    (see the module docstring). The int8 values run on CPUs only."""
+    if precision not in INFERENCE_PRECISIONS:
+        raise ValueError(f"precision must be one of {INFERENCE_PRECISIONS}, got {precision!r}")
+    if precision == "auto":
+        if bf16_supported(device):
+            return "bf16"
+        return "int8-decode" if int8_supported(device) else "fp32"
+    if precision in INT8_PRECISIONS and not int8_supported(device):
+        raise ValueError(
+            f"precision {precision!r} runs on CPUs with PyTorch's weight-only int8 kernel "
+            f"(aten._weight_int8pack_mm); this is {device} on torch {torch.__version__}: pass 'fp32' or 'bf16'"
+        )
+    return precision
+
+
 def weight_dtype(precision: str) -> torch.dtype:
     """Storage dtype of FROZEN weights: bf16 under bf16 autocast (saves the per-matmul weight cast
-    and half the memory); trainable weights (LoRA, tiny decoder) always stay float32."""
+    and half the memory); trainable weights (LoRA, tiny decoder) always stay float32. The int8 precisions load
+    fp32 weights and quantize them after (:func:`unimae.runtime.int8.quantize_linears`, the decoder's int8 copies)."""
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def autocast(precision: str, device: torch.device):
-    """Autocast context for a resolved precision ('bf16' or 'fp32'); weights stay fp32."""
+    """Autocast context for a resolved precision (bf16 only); fp32 and the int8 precisions compute in fp32."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -1,0 +1,240 @@
+"""The int8 precisions (unimae.runtime.precision, unimae.runtime.int8) on tiny random models, on any CPU.
+
+``int8-decode`` embeds in fp32 and decodes on weight-only int8 weights (``aten._weight_int8pack_mm``); ``int8`` also
+embeds through dynamically quantized linear layers. int8 rounds the weights, so generation is compared to fp32
+step by step on fp32's own tokens (teacher forcing): the logits stay close, and a greedy token differs only where
+fp32's two best logits were nearly tied. Nothing here needs native bf16; nothing here times anything.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import SENTENCES
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+from unimae.cli import build_parser
+from unimae.encoder import Encoder
+from unimae.generation import fast_path
+from unimae.generation.decoding import Decoder, decode_tokens
+from unimae.generation.sampling import GenerationParams
+from unimae.runtime.int8 import int8_product, int8_weight, quantize_rows
+from unimae.runtime.precision import (
+    INFERENCE_PRECISIONS,
+    PRECISIONS,
+    bf16_supported,
+    resolve_inference_precision,
+    resolve_precision,
+)
+
+CPU = torch.device("cpu")
+PROMPTS = ["the cat sat on", SENTENCES[2] + " and the", "stock markets rose", "children played football"]
+NEW = 16
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def _encoder(path, precision: str, **kwargs) -> Encoder:
+    return Encoder.from_pretrained(str(path), precision=precision, device="cpu", max_length=64, **kwargs)
+
+
+def _forced_logits(encoder: Encoder, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits (len(tokens), V) of ``encoder``'s decoder at each position, fed ``tokens`` whatever it picks."""
+    decoder = Decoder(encoder.model, encoder.precision)
+    state = decoder.start(ids, GenerationParams(max_new_tokens=len(tokens)), set())
+    seen: list[torch.Tensor] = []
+
+    def take(logits: torch.Tensor) -> int:  # records the logits and feeds the forced token
+        seen.append(logits[0].float().clone())
+        state.feed = torch.tensor([[tokens[len(seen) - 1]]])
+        return tokens[len(seen) - 1]
+
+    state.take = take
+    try:
+        decoder.prefill(state)
+        while len(seen) < len(tokens):
+            decoder.step([state])
+    finally:
+        state.close()
+    return torch.stack(seen)  # (N, V)
+
+
+def _greedy(encoder: Encoder, ids: list[int], new: int = NEW) -> list[int]:
+    return list(decode_tokens(encoder.model, ids, GenerationParams(max_new_tokens=new), set(), encoder.precision))
+
+
+def test_int8_rows_round_within_half_a_step_and_the_kernel_computes_the_product():
+    torch.manual_seed(0)
+    weight, x = torch.randn(40, 24), torch.randn(3, 5, 24)  # (N, K), (..., K)
+    q, scales = quantize_rows(weight)
+    assert q.dtype == torch.int8 and scales.shape == (40,)
+    assert ((q.float() * scales[:, None] - weight).abs() <= scales[:, None] / 2 + 1e-6).all()
+    bias = torch.randn(40)
+    exact = x @ (q.float() * scales[:, None]).T + bias  # (3, 5, 40)
+    torch.testing.assert_close(int8_product(q, scales, bias, x), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_a_dynamically_quantized_layer_lends_its_own_int8_weights():
+    from unimae.runtime.int8 import quantize_linears
+
+    torch.manual_seed(0)
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(24, 40)))
+    assert type(model[0]) is DynamicQuantizedLinear
+    q, scales, bias = int8_weight(model[0])
+    assert q.dtype == torch.int8 and q.shape == (40, 24) and scales.shape == (40,) and bias.shape == (40,)
+    x = torch.randn(2, 24)
+    torch.testing.assert_close(int8_product(q, scales, bias, x), model[0](x), rtol=0.05, atol=0.05)
+
+
+def test_auto_picks_int8_decode_only_where_bf16_is_not_native_and_training_keeps_fp32():
+    assert resolve_inference_precision("auto", CPU) == ("bf16" if bf16_supported(CPU) else "int8-decode")
+    assert resolve_precision("auto", CPU) in ("bf16", "fp32")  # training and evaluation never pick int8
+    for precision in ("bf16", "fp32", "int8-decode", "int8"):
+        assert resolve_inference_precision(precision, CPU) == precision
+    with pytest.raises(ValueError, match="int8"):
+        resolve_precision("int8", CPU)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        resolve_inference_precision("int4", CPU)
+    with pytest.raises(ValueError, match="runs on CPUs"):
+        resolve_inference_precision("int8", torch.device("meta"))
+
+
+def test_generate_embed_and_serve_take_the_int8_precisions():
+    parser = build_parser()
+    for argv in (["generate", "hi"], ["embed", "hi"], ["serve"]):
+        for precision in INFERENCE_PRECISIONS:
+            assert parser.parse_args([*argv, "--precision", precision]).precision == precision
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--precision", "int8"])  # training keeps PRECISIONS
+    assert "int8" not in PRECISIONS
+
+
+def test_auto_under_avx2_emulation_chooses_what_an_avx2_cpu_gets_and_its_kernels_run(tiny_model_dirs):
+    """Under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (a subprocess): PyTorch reports AVX2 and no oneDNN bf16,
+    ``auto`` resolves to int8-decode, and both int8 precisions load, embed and generate (the int8 kernels run
+    under AVX2 dispatch)."""
+    script = f"""
+import json, torch
+from unimae.encoder import Encoder
+from unimae.generation import fast_path
+from unimae.runtime.precision import bf16_supported, resolve_inference_precision
+cpu = torch.device("cpu")
+facts = {{"capability": torch.backends.cpu.get_cpu_capability(), "bf16": bf16_supported(cpu),
+    "resolves": resolve_inference_precision("auto", cpu)}}
+for precision in ("auto", "int8"):
+    enc = Encoder.from_pretrained({str(tiny_model_dirs["llama"])!r}, precision=precision, device="cpu", max_length=32)
+    facts[precision] = {{"resolved": enc.precision, "dim": int(enc.encode("the cat").shape[0]),
+        "text": enc.generate("the cat", max_new_tokens=4), "int8_head": enc.model.lm_head in fast_path._PACKED}}
+print(json.dumps(facts))
+"""
+    env = {**os.environ, **AVX2, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts["capability"] == "AVX2" and facts["bf16"] is False and facts["resolves"] == "int8-decode"
+    assert facts["auto"]["resolved"] == "int8-decode" and facts["int8"]["resolved"] == "int8"
+    for precision in ("auto", "int8"):
+        assert facts[precision]["dim"] == 64 and facts[precision]["int8_head"], facts[precision]
+
+
+@pytest.mark.parametrize("precision", ["int8-decode", "int8"])
+def test_int8_embeds_like_fp32(tiny_dir, precision):
+    """int8-decode embeds in fp32 (identical vectors); int8's dynamically quantized layers stay within cosine 0.99."""
+    reference = _encoder(tiny_dir, "fp32").encode(SENTENCES)
+    encoder = _encoder(tiny_dir, precision)
+    vectors = encoder.encode(SENTENCES)
+    if precision == "int8-decode":
+        np.testing.assert_array_equal(vectors, reference)
+        assert not any(type(m) is DynamicQuantizedLinear for m in encoder.model.modules())
+    else:
+        assert _cosines(vectors, reference).min() >= 0.99
+        assert type(encoder.model.get_output_embeddings()) is DynamicQuantizedLinear
+
+
+@pytest.mark.parametrize("precision", ["int8-decode", "int8"])
+def test_int8_decode_follows_fp32_up_to_near_ties(tiny_dir, precision):
+    """On fp32's own greedy tokens, every int8 step's logits are within cosine 0.99 of fp32's, and where the int8
+    argmax differs, fp32's two best logits were closer than twice the step's largest logit error. int8-decode
+    prefills in fp32, so its first token is fp32's. The first free-running divergence is recorded (random tiny
+    models have flat logits, so it can come early)."""
+    reference, encoder = _encoder(tiny_dir, "fp32"), _encoder(tiny_dir, precision)
+    divergences = {}
+    for prompt in PROMPTS:
+        ids = reference.prompt_ids(prompt)
+        tokens = _greedy(reference, ids)
+        exact = _forced_logits(reference, ids, tokens)  # (N, V)
+        rounded = _forced_logits(encoder, ids, tokens)
+        assert torch.equal(exact.argmax(-1), torch.tensor(tokens))
+        assert not torch.equal(rounded[1:], exact[1:]), "the decode steps should read int8 weights"
+        assert torch.nn.functional.cosine_similarity(rounded, exact, dim=-1).min() >= 0.99
+        error = (rounded - exact).abs().max(-1).values  # (N,)
+        top2 = exact.topk(2, dim=-1).values
+        flipped = rounded.argmax(-1) != exact.argmax(-1)
+        assert ((top2[:, 0] - top2[:, 1])[flipped] <= 2 * error[flipped]).all()
+        if precision == "int8-decode":
+            assert not flipped[0]
+        free = _greedy(encoder, ids)
+        divergences[prompt] = next((i for i, (a, b) in enumerate(zip(tokens, free, strict=True)) if a != b), None)
+    print(f"first divergence from fp32 ({precision}, {NEW} new tokens):", divergences)
+
+
+def test_int8_copies_are_made_for_the_base_weights_only_and_warm_up_makes_them(tiny_model_dirs, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from unimae.generation.decoding import warm_up
+    from unimae.models import load_model
+
+    model, _, _ = load_model(str(tiny_model_dirs["llama"]))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    warm_up(model, "fp32")
+    assert model.get_output_embeddings() not in fast_path._PACKED
+    warm_up(model, "int8-decode")
+    proj = model.base_model.model.model.layers[0].mlp.down_proj
+    assert proj.base_layer in fast_path._PACKED and getattr(proj.base_layer, "_unimae_int8", False)
+    assert not any(getattr(m, "_unimae_int8", False) for m in (*proj.lora_A.values(), *proj.lora_B.values()))
+
+
+def _adapter(tiny_dir, path) -> str:
+    from peft import LoraConfig, get_peft_model
+
+    from unimae.models import load_model
+
+    model, _, _ = load_model(str(tiny_dir))
+    torch.manual_seed(1)
+    get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("merge", [None, False], ids=["merged", "unmerged"])
+@pytest.mark.parametrize("precision", ["int8-decode", "int8"])
+def test_the_adapter_moves_int8_outputs_as_it_moves_fp32(tiny_dir, tmp_path, precision, merge):
+    """What the adapter changes (adapter minus base) in the embeddings and in the decode steps' logits points the
+    same way in int8 as in fp32 (cosine >= 0.9); unmerged, its own layers stay fp32 beside the int8 base."""
+    adapter = _adapter(tiny_dir, tmp_path / "adapter")
+    fp32 = {a: _encoder(tiny_dir, "fp32", adapter=a) for a in (None, adapter)}
+    int8 = {a: _encoder(tiny_dir, precision, adapter=a, merge=merge) for a in (None, adapter)}
+    change = {
+        name: encs[adapter].encode(SENTENCES) - encs[None].encode(SENTENCES)
+        for name, encs in (("fp32", fp32), ("int8", int8))
+    }
+    assert _cosines(change["int8"], change["fp32"]).min() >= 0.9
+    ids = fp32[None].prompt_ids(PROMPTS[0])
+    tokens = _greedy(fp32[adapter], ids)
+    moved = {
+        name: _forced_logits(encs[adapter], ids, tokens) - _forced_logits(encs[None], ids, tokens)
+        for name, encs in (("fp32", fp32), ("int8", int8))
+    }
+    assert torch.nn.functional.cosine_similarity(moved["int8"], moved["fp32"], dim=-1).min() >= 0.9
+    if merge is False:
+        model = int8[adapter].model
+        lora = [m for n, m in model.named_modules() if n.endswith("lora_A.default") or n.endswith("lora_B.default")]
+        assert lora and all(type(m) is torch.nn.Linear and not getattr(m, "_unimae_int8", False) for m in lora)
+        with int8[adapter].adapter_disabled():
+            np.testing.assert_allclose(int8[adapter].encode(SENTENCES[:3]), int8[None].encode(SENTENCES[:3]), atol=1e-5)
