@@ -13,7 +13,7 @@ from unimae.embedding.attention import ATTENTION_RULES
 from unimae.embedding.pooling import POOLINGS
 from unimae.export.base import FORMATS
 from unimae.retrieval.index import INDEX_KINDS, VectorIndexError
-from unimae.runtime.precision import PRECISIONS
+from unimae.runtime.precision import INFERENCE_PRECISIONS, PRECISIONS
 from unimae.training.config import method_names
 
 PASSAGES = [(f"p{i}", text) for i, text in enumerate(SENTENCES)]
@@ -74,7 +74,10 @@ def test_pooling_attention_precision_kind_format_and_method_choices_come_from_th
     assert _choices(("train",), "--method") == method_names()
     with_precision = [argv for argv, parser in _pages().items() if "--precision" in parser._option_string_actions]
     assert {argv[-1] for argv in with_precision} >= {"train", "embed", "generate", "index", "ask", "serve"}
-    assert all(_choices(argv, "--precision") == list(PRECISIONS) for argv in with_precision)
+    inference = {"embed", "generate", "serve"}  # they also take the int8 precisions (unimae.runtime.precision)
+    for argv in with_precision:
+        expected = INFERENCE_PRECISIONS if argv[-1] in inference else PRECISIONS
+        assert _choices(argv, "--precision") == list(expected), argv
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,12 @@ class Encoder:
         self.adapter_merged = False
 
     @property
+    def embedding_precision(self) -> str:
+        """The precision its embeddings are computed in: 'int8-decode' quantizes the decode loop only, so it
+        embeds exactly as 'fp32' (what index manifests and evaluation caches record, so they stay reusable)."""
+        return "fp32" if self.precision == "int8-decode" else self.precision
+
+    @property
     def pooling(self) -> str:
         return self.spec.pooling
 

@@ -316,7 +316,7 @@ def _open_cache(output_dir: Path, encoder, model: str, weights: str | None, revi
         adapter=revision,
         pooling=encoder.pooling,
         max_length=encoder.max_length,
-        precision=encoder.precision,
+        precision=encoder.embedding_precision,
         options=encoder.pooling_options,
         **({"merged": True} if encoder.adapter_merged else {}),
         **({"attention": encoder.attention} if encoder.attention != "causal" else {}),
@@ -377,7 +377,7 @@ def evaluate_embeddings(
         "attention": encoder.attention,
         "revision": revision,
         "max_length": encoder.max_length,
-        "precision": encoder.precision,
+        "precision": encoder.embedding_precision,
         **({"dimensions": dimensions} if dimensions else {}),
     }
     try:

@@ -204,7 +204,7 @@ class VectorIndex:
             "pooling": encoder.spec.pooling,
             "embedding": encoder.spec.to_dict(),
             "max_length": encoder.max_length,
-            "precision": encoder.precision,
+            "precision": getattr(encoder, "embedding_precision", encoder.precision),
             "merged": encoder.adapter_merged,
             "dim": config.dimensions or encoder.embedding_dim,
             "count": len(passages),

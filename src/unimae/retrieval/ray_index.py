@@ -98,7 +98,7 @@ def encoder_facts(encoder) -> dict:
     return {
         "spec": encoder.spec.to_dict(),
         "max_length": encoder.max_length,
-        "precision": encoder.precision,
+        "precision": getattr(encoder, "embedding_precision", encoder.precision),
         "adapter_merged": encoder.adapter_merged,
         "embedding_dim": encoder.embedding_dim,
     }
