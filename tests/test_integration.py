@@ -5,6 +5,7 @@ Marked ``integration``; `make test` (and CI) runs them. They use the user's mode
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,3 +104,29 @@ def test_real_model_rag_reuses_the_query_cache_without_changing_the_answer(smoll
     assert [h.id for h in cached.hits] == [h.id for h in plain.hits] and len(cached.hits) == 3
     assert cached.cached_tokens > 5 and cached.prompt_tokens > 200
     assert cached.text == plain.text and cached.text.strip()
+
+
+def _releases() -> list:
+    from unimae.release import REPOSITORY_RELEASES
+
+    found = sorted(p.parent.name for p in REPOSITORY_RELEASES.glob("*/unimae.json"))
+    return found or [pytest.param(None, marks=pytest.mark.skip(reason="no release in releases/ yet"))]
+
+
+@pytest.mark.parametrize("name", _releases())
+def test_a_release_reproduces_its_cards_sts17(real_cache, name, tmp_path):
+    """Each released adapter loads by name on its real base model and scores STS17 within 0.05 of its card
+    (the card's number is its fp32 adapter's; the release stores bf16 weights: the bound checks both)."""
+    from conftest import SHARED_DATA
+
+    from unimae.evaluation.embeddings import evaluate_embeddings
+    from unimae.release import card_scores, release_meta, resolve_adapter
+
+    if not (SHARED_DATA / "sts").is_dir():
+        pytest.skip(f"evaluation data not found at {SHARED_DATA} (set UNIMAE_DATA)")
+    folder = resolve_adapter(name)
+    card = card_scores((Path(folder) / "README.md").read_text())
+    assert "STS17" in card, "the card has no STS17 score to check"
+    model = release_meta(folder)["base_model"]
+    run = evaluate_embeddings(model, ["STS17"], tmp_path, adapter=name, data_dir=SHARED_DATA, use_cache=False)
+    assert abs(run.scores["STS17"] * 100 - card["STS17"]) <= 0.05 + 0.005  # the card rounds to 2 decimals
