@@ -164,3 +164,26 @@ def read_log(out) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+
+
+def post_embeddings(encoder, bodies: list[dict]) -> list:
+    """POST each body to /v1/embeddings of an in-process server over ``encoder``; the responses."""
+    import asyncio
+
+    import httpx
+
+    from unimae.serving.app import create_app
+    from unimae.serving.config import ServerConfig
+
+    app = create_app(encoder, ServerConfig(model_name="tiny"))
+    state = app.state.server
+
+    async def run():
+        state.batcher.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            responses = [await http.post("/v1/embeddings", json=body) for body in bodies]
+        await state.batcher.stop()
+        return responses
+
+    return asyncio.run(run())

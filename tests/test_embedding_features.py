@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import read_log
+from conftest import post_embeddings, read_log
 from test_contrastive import _config, _method, _records, _write
 
 from unimae.adapter import adapter_meta, embedding_spec
@@ -172,34 +172,11 @@ def test_continue_adapter_picks_up_its_weights_step_and_data_order(tiny_model_di
         )
 
 
-def _post_embeddings(encoder, bodies: list[dict]) -> list:
-    """POST each body to /v1/embeddings of an in-process server over ``encoder``; the responses."""
-    import asyncio
-
-    import httpx
-
-    from unimae.serving.app import create_app
-    from unimae.serving.config import ServerConfig
-
-    app = create_app(encoder, ServerConfig(model_name="tiny"))
-    state = app.state.server
-
-    async def main():
-        state.batcher.start()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-            responses = [await http.post("/v1/embeddings", json=body) for body in bodies]
-        await state.batcher.stop()
-        return responses
-
-    return asyncio.run(main())
-
-
 def test_server_input_type_and_dimensions(tiny_model_dirs):
     trained = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY}, matryoshka_dims=(8,))
     full = trained.embedding_dim
     texts = ["the cat sat", "a dog ran"]
-    query, document, cut, whole, wide, zero = _post_embeddings(
+    query, document, cut, whole, wide, zero = post_embeddings(
         trained,
         [
             {"input": texts, "input_type": "query"},
@@ -218,7 +195,7 @@ def test_server_input_type_and_dimensions(tiny_model_dirs):
     for refused in (wide, zero):
         assert refused.status_code == 400 and "dimensions must be from 1 to" in refused.json()["error"]["message"]
     plain = _encoder(tiny_model_dirs["llama"])
-    (untrained, bad_type) = _post_embeddings(
+    (untrained, bad_type) = post_embeddings(
         plain, [{"input": texts, "dimensions": 8}, {"input": texts, "input_type": "x"}]
     )
     assert untrained.status_code == 400 and "not trained for shorter ones" in untrained.json()["error"]["message"]

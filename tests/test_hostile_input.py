@@ -2,7 +2,6 @@
 are not UTF-8, damaged files, folders that cannot be written, a full disk and API keys no client can send are
 each one sentence (exit code 2), never a traceback; a NaN embedding is never a 500 or NaN bytes on the wire."""
 
-import asyncio
 import errno
 import io
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SENTENCES, build_tokenizer
+from conftest import SENTENCES, build_tokenizer, post_embeddings
 
 import unimae.embedding.pooling
 import unimae.embedding.tokenization
@@ -233,26 +232,6 @@ def test_an_api_key_no_client_can_send_is_refused_at_start(key, monkeypatch, cap
     assert "the API key must be printable ASCII" in capsys.readouterr().err  # said before any model is loaded
 
 
-def _post_embeddings(encoder, bodies: list[dict]) -> list:
-    """POST each body to /v1/embeddings of an in-process server over ``encoder``; the responses."""
-    import httpx
-
-    from unimae.serving.app import create_app
-
-    app = create_app(encoder, ServerConfig(model_name="tiny"))
-    state = app.state.server
-
-    async def run():
-        state.batcher.start()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-            responses = [await http.post("/v1/embeddings", json=body) for body in bodies]
-        await state.batcher.stop()
-        return responses
-
-    return asyncio.run(run())
-
-
 def test_a_nan_embedding_is_a_clear_error_not_a_500_nor_nan_bytes(tiny_model_dirs, monkeypatch):
     """Before: float answers were 500 ('Out of range float values are not JSON compliant'), base64 answers 200
     with NaN bytes."""
@@ -266,7 +245,7 @@ def test_a_nan_embedding_is_a_clear_error_not_a_500_nor_nan_bytes(tiny_model_dir
 
     monkeypatch.setattr(encoder, "encode_inputs", second_is_nan)
     texts = ["the cat sat", "a dog ran"]
-    for response in _post_embeddings(encoder, [{"input": texts}, {"input": texts, "encoding_format": "base64"}]):
+    for response in post_embeddings(encoder, [{"input": texts}, {"input": texts, "encoding_format": "base64"}]):
         assert response.status_code == 422, response.text
         error = response.json()["error"]
         assert error["code"] == "non_finite_embedding" and error["param"] == "input"

@@ -45,7 +45,7 @@ import math
 import mmap
 import operator
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +54,6 @@ from tqdm.auto import tqdm
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write, atomic_write_json, file_sha256
 from unimae.retrieval.index import (
-    FORMAT_VERSION,
     Hit,
     VectorIndex,
     VectorIndexError,
@@ -63,7 +62,8 @@ from unimae.retrieval.index import (
     _read_manifest,
     _shard_ok,
     _shard_path,
-    passages_fingerprint,
+    finished_manifest,
+    index_manifest,
     write_shard,
 )
 
@@ -226,7 +226,7 @@ class DiskIndex:
     def load(cls, directory: str | Path) -> DiskIndex:
         """Open a finished store; clear errors for a missing, incomplete or damaged one."""
         directory = Path(directory)
-        manifest = _finished_manifest(directory)
+        manifest = finished_manifest(directory)
         if manifest.get("store") != STORE:
             raise VectorIndexError(f"{directory} holds a memory index, not a disk store; open it with open_index")
         count, dim = int(manifest["count"]), int(manifest["dim"])
@@ -285,31 +285,7 @@ def open_index(directory: str | Path) -> VectorIndex | DiskIndex:
 def _manifest(encoder, passages: list[tuple[str, str]], config: DiskIndexConfig, source: dict | None) -> dict:
     """The manifest of :meth:`VectorIndex.build <unimae.retrieval.index.VectorIndex.build>` (same fields, so the
     same resume rules), plus the store."""
-    return {
-        "format": FORMAT_VERSION,
-        **(source or {}),
-        "store": STORE,
-        "pooling": encoder.spec.pooling,
-        "embedding": encoder.spec.to_dict(),
-        "max_length": encoder.max_length,
-        "precision": getattr(encoder, "embedding_precision", encoder.precision),
-        "merged": encoder.adapter_merged,
-        "dim": config.dimensions or encoder.embedding_dim,
-        "count": len(passages),
-        "passages": passages_fingerprint(passages),
-        "config": asdict(config),
-        "complete": False,
-    }
-
-
-def _finished_manifest(directory: Path) -> dict:
-    manifest_path = directory / "manifest.json"
-    if not manifest_path.is_file():
-        raise VectorIndexError(f"{directory} is not a unimae index (no manifest.json); build one with `unimae index`")
-    manifest = _read_manifest(manifest_path)
-    if not manifest.get("complete"):
-        raise VectorIndexError(f"{directory} is incomplete (indexing was interrupted); rerun `unimae index` to resume")
-    return manifest
+    return {**index_manifest(encoder, passages, config, source), "store": STORE}
 
 
 def _check_hashes(directory: Path, manifest: dict) -> None:

@@ -168,6 +168,36 @@ def _rescored_binary_search(index, queries: np.ndarray, k: int, multiplier: int)
     return scores, ids
 
 
+def index_manifest(encoder, passages: list[tuple[str, str]], config, source: dict | None) -> dict:
+    """A new build's manifest (``complete: false`` until its index is written): what embedded the passages and
+    how, the passages' fingerprint and the store's ``config`` (a dataclass); the resume rules compare it."""
+    return {
+        "format": FORMAT_VERSION,
+        **(source or {}),
+        "pooling": encoder.spec.pooling,
+        "embedding": encoder.spec.to_dict(),
+        "max_length": encoder.max_length,
+        "precision": getattr(encoder, "embedding_precision", encoder.precision),
+        "merged": encoder.adapter_merged,
+        "dim": config.dimensions or encoder.embedding_dim,
+        "count": len(passages),
+        "passages": passages_fingerprint(passages),
+        "config": asdict(config),
+        "complete": False,
+    }
+
+
+def finished_manifest(directory: Path) -> dict:
+    """The manifest of a finished index folder; VectorIndexError for a missing or unfinished one."""
+    manifest_path = Path(directory) / "manifest.json"
+    if not manifest_path.is_file():
+        raise VectorIndexError(f"{directory} is not a unimae index (no manifest.json); build one with `unimae index`")
+    manifest = _read_manifest(manifest_path)
+    if not manifest.get("complete"):
+        raise VectorIndexError(f"{directory} is incomplete (indexing was interrupted); rerun `unimae index` to resume")
+    return manifest
+
+
 class VectorIndex:
     """Passages + their embeddings in FAISS. Build with :meth:`build`, open with :meth:`load`."""
 
@@ -198,20 +228,7 @@ class VectorIndex:
         directory = Path(directory)
         shards = directory / "shards"
         shards.mkdir(parents=True, exist_ok=True)
-        manifest = {
-            "format": FORMAT_VERSION,
-            **(source or {}),
-            "pooling": encoder.spec.pooling,
-            "embedding": encoder.spec.to_dict(),
-            "max_length": encoder.max_length,
-            "precision": getattr(encoder, "embedding_precision", encoder.precision),
-            "merged": encoder.adapter_merged,
-            "dim": config.dimensions or encoder.embedding_dim,
-            "count": len(passages),
-            "passages": passages_fingerprint(passages),
-            "config": asdict(config),
-            "complete": False,
-        }
+        manifest = index_manifest(encoder, passages, config, source)
         manifest_path = directory / "manifest.json"
         _check_resumable(manifest_path, manifest, config, overwrite, shards)
         atomic_write_json(manifest_path, manifest)
@@ -236,16 +253,7 @@ class VectorIndex:
     def load(cls, directory: str | Path) -> VectorIndex:
         """Open a finished index folder; clear errors for a missing, incomplete or damaged one."""
         directory = Path(directory)
-        manifest_path = directory / "manifest.json"
-        if not manifest_path.is_file():
-            raise VectorIndexError(
-                f"{directory} is not a unimae index (no manifest.json); build one with `unimae index`"
-            )
-        manifest = _read_manifest(manifest_path)
-        if not manifest.get("complete"):
-            raise VectorIndexError(
-                f"{directory} is incomplete (indexing was interrupted); rerun `unimae index` to resume"
-            )
+        manifest = finished_manifest(directory)
         passages = _read_passages(directory / "passages.jsonl")
         _check_integrity(directory, manifest, passages)
         faiss = _faiss()
