@@ -47,7 +47,8 @@ def _add_embeddings_parser(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--tasks", nargs="+", default=["dev"], help="Task groups 'dev' / 'mteb15' or mteb task names.")
     parser.add_argument(
-        "--data-dir", help="Local data in the shared/data layout (README); else mteb loads from the Hub."
+        "--data-dir",
+        help="Local data in the evaluation data layout (docs/evaluation.md); else mteb loads from the Hub.",
     )
     parser.add_argument(
         "--output-dir",
@@ -111,7 +112,9 @@ def _add_generation_parser(kinds: argparse._SubParsersAction) -> None:
         nargs="+",
         help="Local tasks (default: all six) and/or any lm-eval registry task, e.g. mmlu sciq (those need the Hub).",
     )
-    parser.add_argument("--data-dir", help="Folder with generation/<task>/*.jsonl (the shared/data layout).")
+    parser.add_argument(
+        "--data-dir", help="Folder with generation/<task>/*.jsonl (the evaluation data layout, docs/evaluation.md)."
+    )
     parser.add_argument("--output-dir", default="results/generation", help="Where generation.json is written.")
     parser.add_argument("--limit", type=int, help="Score only the first N items of each task.")
     parser.add_argument("--batch-size", type=int, default=16, help="Items per forward pass.")
@@ -132,7 +135,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--adapter", action="append", type=adapter_argument, help="A trained adapter or release (repeat for several)."
     )
-    parser.add_argument("--data-dir", help="Local data in the shared/data layout.")
+    parser.add_argument("--data-dir", help="Local data in the evaluation data layout (docs/evaluation.md).")
     parser.add_argument("--output-dir", default="results/compare", help="Where the tables are written.")
     parser.add_argument("--tasks", nargs="+", default=["dev"], help="Embedding task groups or mteb task names.")
     parser.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass.")

@@ -1,6 +1,6 @@
 """Tokenize texts the UniMAE way: BOS as the tokenizer does it, truncate, then append EOS ourselves.
 
-The EOS token is always present (METHOD.md section 1), whatever the tokenizer's own
+The EOS token is always present (docs/methods.md, "The UniMAE objective"), whatever the tokenizer's own
 ``add_eos_token`` habit, so that ``h_eos`` has a fixed place to live.
 
 Cost bounded by ``max_length``, not by the text: a text is cut to :func:`char_budget` characters before it is

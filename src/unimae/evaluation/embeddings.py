@@ -24,7 +24,7 @@ from unimae.runtime.memory import cpu_model
 
 logger = logging.getLogger(__name__)
 
-# The 9 tasks of shared/data (5 MTEB categories).
+# The 9 dev tasks of the local evaluation data (5 MTEB categories).
 DEV_TASKS = [
     "STSBenchmark",
     "SICK-R",

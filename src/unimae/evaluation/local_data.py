@@ -1,4 +1,4 @@
-"""Local evaluation data in the layout of ``shared/data`` (see docs/evaluation.md, "Evaluation data layout"),
+"""Local evaluation data in the evaluation data layout (see docs/evaluation.md, "Evaluation data layout"),
 converted to the dataset shapes the official ``mteb`` evaluators read.
 
 One loader per task type, chosen by mteb's own task metadata (``task.metadata.type``), so any

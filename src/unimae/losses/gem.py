@@ -1,4 +1,4 @@
-"""GEM (arXiv:2506.04344; METHOD.md section 2): summary tokens + an attention mask that forces them to summarize.
+"""GEM (arXiv:2506.04344; docs/methods.md, "GEM"): summary tokens + an attention mask that forces them to summarize.
 
 ``L = (1 - a) L_NTP + a L_contrastive``, ``a`` = 0 for the first ``switch_step`` steps, 1 after.
 
@@ -13,7 +13,7 @@
   "CLIP-style" is read as the learnable, clamped scale only: the loss runs one way, each anchor against the
   positives (our choice; CLIP also averages the positives-against-anchors direction, which the paper does not
   state).
-- The prefix includes BOS: suffix tokens cannot see it either (METHOD.md's rule read literally; the suffix
+- The prefix includes BOS: suffix tokens cannot see it either (the paper's rule read literally; the suffix
   then has no attention-sink token and attends to the summary block and itself).
 """
 

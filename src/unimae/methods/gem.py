@@ -1,4 +1,4 @@
-"""``--method gem`` (arXiv:2506.04344; METHOD.md section 2): summary tokens, the ``gem`` attention rule and
+"""``--method gem`` (arXiv:2506.04344; docs/methods.md, "GEM"): summary tokens, the ``gem`` attention rule and
 ``L = (1 - a) L_NTP + a L_contrastive``. Embeds with the ``gem`` rule and ``summary`` pooling.
 
 The paper's recipe is the default; [open] marks what the paper leaves open, our choice and its flag

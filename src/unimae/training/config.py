@@ -156,7 +156,7 @@ class ContrastiveOptions:
 
 @dataclass
 class GEMOptions:
-    """``--method gem``: summary tokens + attention-mask rule, (1 - a) NTP + a contrastive (METHOD.md section 2).
+    """``--method gem``: summary tokens + attention-mask rule, (1 - a) NTP + a contrastive (docs/methods.md, "GEM").
 
     The paper's recipe is the default; ``[open]`` marks the choices the paper leaves to us.
     """
@@ -239,7 +239,8 @@ class GEMOptions:
 
 @dataclass
 class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
-    """Configuration of a training run: UniMAE (Eq. 1-6 of the paper; METHOD.md section 1) or a relative.
+    """Configuration of a training run: UniMAE (Eq. 1-6 of the paper; docs/methods.md, "The UniMAE objective") or
+    a relative.
 
     Method-specific options live in their own dataclasses (MNTPOptions, ContrastiveOptions, GEMOptions);
     ``--full-params --p-mar 0 --alpha 1`` with ``--method unimae`` is the paper's domain post-training mode
