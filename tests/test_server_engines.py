@@ -75,10 +75,14 @@ def test_one_model_id_rule_for_both_engines(tiny_sources, tmp_path):
     model, _, gguf = tiny_sources
     assert model_id("smollm2-135m") == "smollm2-135m" and model_id("HuggingFaceTB/SmolLM2-135M").endswith("135M")
     assert model_id(model) == model.rstrip("/").rsplit("/", 1)[-1]
-    if gguf is not None:
-        from unimae.serving.llamacpp_engine import LlamaCppModel
+    if gguf is not None:  # the GGUF's id, read from its metadata as LlamaCppModel does (no llama.cpp server needed)
+        from types import SimpleNamespace
 
-        assert LlamaCppModel(gguf, max_length=32, threads=1, parallel=1, context=256).name == model_id(model)
+        from unimae.serving.llamacpp_engine import LlamaCppModel, gguf_metadata
+
+        loaded = SimpleNamespace(metadata=gguf_metadata(gguf), path=gguf)
+        assert LlamaCppModel.name.fget(loaded) == model_id(model)
+        assert LlamaCppModel.name.fget(SimpleNamespace(metadata={}, path=tmp_path / "other.gguf")) == "other"
 
 
 @pytest.mark.parametrize(
