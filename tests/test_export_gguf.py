@@ -497,8 +497,9 @@ def llamacpp_app(merged_tiny, tmp_path_factory):
         index = VectorIndex.build(encoder, passages, root / "index", source=source)
         model = LlamaCppModel(out, threads=1, parallel=2, context=512)
     config = ServerConfig(model_name="tiny", api_key="secret")
-    client = TestClient(create_llamacpp_app(model, config, index), headers={"Authorization": "Bearer secret"})
-    return client, encoder, index
+    app = create_llamacpp_app(model, config, index)
+    with TestClient(app, headers={"Authorization": "Bearer secret"}) as client:  # runs the lifespan: the batcher
+        yield client, encoder, index
 
 
 def test_llamacpp_engine_embeddings_route_matches_encoder(llamacpp_app):

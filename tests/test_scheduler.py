@@ -343,7 +343,7 @@ def _app(tiny_model_dirs, **config):
 
 
 def test_queue_full_gives_429_with_continuous_batching(tiny_model_dirs, monkeypatch):
-    monkeypatch.setattr("unimae.serving.state.ModelLock", GatedLock)
+    monkeypatch.setattr("unimae.serving.torch_engine.ModelLock", GatedLock)
     encoder, app = _app(tiny_model_dirs, max_batch_generations=1, max_queued_generations=1)
     state = app.state.server
     slots, lock = state.slots, state.scheduler.lock
@@ -387,7 +387,7 @@ def test_queue_full_gives_429_with_continuous_batching(tiny_model_dirs, monkeypa
 
 
 def test_an_embedding_request_completes_while_a_generation_runs(tiny_model_dirs, monkeypatch):
-    monkeypatch.setattr("unimae.serving.state.ModelLock", GatedLock)  # shared by the batcher and the scheduler
+    monkeypatch.setattr("unimae.serving.torch_engine.ModelLock", GatedLock)  # shared by the batcher and the scheduler
     encoder, app = _app(tiny_model_dirs)
     state = app.state.server
     lock = state.scheduler.lock

@@ -313,58 +313,6 @@ def test_more_edge_cases_get_clean_4xx(server):
 
 
 @pytest.mark.parametrize(
-    "one_at_a_time",
-    [{"max_batch_generations": 1}, {"continuous_batching": False, "max_concurrent_generations": 1}],
-    ids=["batched", "threads"],
-)
-def test_generation_queue_overflow_is_429_even_for_streams(tiny_model_dirs, monkeypatch, one_at_a_time):
-    import unimae.serving.routes.completions as completions_module
-    from unimae.generation.stream import GenerationResult
-    from unimae.serving.app import create_app
-    from unimae.serving.config import ServerConfig
-
-    release = threading.Event()  # the running generation holds its slot until the test releases it
-
-    def blocked(*args, **kwargs):
-        assert release.wait(60), "the test never released the generation"
-        yield "hi"
-        yield GenerationResult("hi", 1, 1, "stop")
-
-    monkeypatch.setattr(completions_module, "generate_stream", blocked)
-    monkeypatch.setattr(completions_module, "generate_text", lambda *a, **k: list(blocked())[-1])
-    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
-    app = create_app(encoder, ServerConfig(model_name="tiny", max_queued_generations=1, **one_at_a_time))
-    slots = app.state.server.slots
-
-    async def until(condition):
-        async def poll():
-            while not condition():
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(poll(), 30)  # a guard against a hang, not an ordering device
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-            body = {"prompt": "the cat", "max_tokens": 4}
-            try:
-                running = asyncio.create_task(http.post("/v1/completions", json=body))
-                await until(lambda: slots.running == 1)
-                queued = asyncio.create_task(http.post("/v1/completions", json=body))
-                await until(lambda: slots.waiting == 1)
-                rejected = await http.post("/v1/completions", json={**body, "stream": True})
-                assert (slots.running, slots.waiting) == (1, 1)  # the refused stream took no place
-            finally:
-                release.set()
-            return (await running).status_code, (await queued).status_code, rejected
-
-    first, second, rejected = asyncio.run(main())
-    assert (first, second) == (200, 200)
-    assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"
-    assert (slots.running, slots.waiting) == (0, 0)
-
-
-@pytest.mark.parametrize(
     ("path", "raw", "param"),
     [
         ("/v1/embeddings", rb'{"input": "hi \ud800"}', "input"),

@@ -250,25 +250,22 @@ class _Client:
 def test_a_completion_whose_client_leaves_ends_its_generation_and_frees_its_slot():
     from types import SimpleNamespace
 
-    from conftest import build_tokenizer
-
     from unimae.generation.sampling import GenerationParams
     from unimae.serving.routes.completions import _generate
 
     ended = threading.Event()
 
-    def decode(model, ids, params, eos, precision, past, cancel):  # one token, then nothing until cancelled
+    def generate(ids, params, cancel):  # an engine's generation: one piece, then nothing until cancelled
         try:
-            yield 7
+            yield "a"
             cancel.wait()
-        finally:  # run out or closed: the token source has ended either way
+        finally:  # run out or closed: the generation has ended either way
             ended.set()
 
-    encoder = SimpleNamespace(model=SimpleNamespace(), tokenizer=build_tokenizer(True, True), precision="fp32")
     params = GenerationParams(max_new_tokens=64)
 
     async def scenario():
-        state = SimpleNamespace(slots=GenerationSlots(1, 0), encoder=encoder, decode=decode)
+        state = SimpleNamespace(slots=GenerationSlots(1, 0), engine=SimpleNamespace(generate=generate))
         client = _Client()
         client.leave.set()  # gone before its generation could end on its own
         with pytest.raises(APIError) as err:

@@ -3,9 +3,11 @@
 ``--engine torch`` (default) runs the model in PyTorch; ``--engine llama.cpp --gguf FILE`` serves a GGUF written
 by ``unimae export --format gguf`` from one llama.cpp model (:mod:`unimae.serving.llamacpp_engine`).
 
-Every :class:`~unimae.serving.config.ServerConfig` field is a flag; with ``--engine torch``, concurrent
-generations are batched in flight (``--max-batch-generations 8`` decoded together; ``--no-continuous-batching``
-runs each on its own thread, ``--max-concurrent-generations`` at once).
+Every :class:`~unimae.serving.config.ServerConfig` field is a flag, honoured by both engines (the same routes,
+limits and 429s). With ``--engine torch``, concurrent generations are batched in flight
+(``--max-batch-generations 8`` decoded together; ``--no-continuous-batching`` runs each on its own thread,
+``--max-concurrent-generations`` at once); with ``--engine llama.cpp`` as many hold a generation slot and
+llama.cpp decodes up to ``--slots`` of them together.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
 from unimae.cli.embed import inference_precisions
-from unimae.serving.config import ServerConfig, check_api_key
+from unimae.serving.config import ServerConfig, check_api_key, model_id
 from unimae.training.config import add_dataclass_arguments
 
 logger = logging.getLogger(__name__)
@@ -70,14 +72,21 @@ def _serve(args: argparse.Namespace) -> int:
 
         encoder, index, model = _load_encoder(args)
         if values["model_name"] == ServerConfig.model_name:  # not given: name it after the model
-            values["model_name"] = Path(model).name if Path(model).exists() else model
+            values["model_name"] = model_id(model)
         config = ServerConfig(**values)
         app = create_app(encoder, config, index)
     _warn_if_exposed(args.host, config.api_key is not None)
     print(
         f"unimae serving {config.model_name} on http://{args.host}:{args.port} (Ctrl-C stops after in-flight requests)"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=30,
+        timeout_keep_alive=config.keep_alive_s,
+    )
     return 0
 
 
@@ -95,7 +104,7 @@ def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
 
         index = open_index(args.index)
     model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots)
-    if values["model_name"] == ServerConfig.model_name:
+    if values["model_name"] == ServerConfig.model_name:  # not given: the model it was exported from
         values["model_name"] = model.name
     config = ServerConfig(**values)
     return create_llamacpp_app(model, config, index), config

@@ -47,7 +47,23 @@ One model, two jobs: it generates text as the base model does, and it embeds sen
 - **Pooling:** {_usage(spec, fmt)}
 - **Similarity:** cosine.
 - **Training recipe:** {recipe}.
-{_prompt_lines(spec)}"""
+{_requirement_line(fmt)}{_prompt_lines(spec)}"""
+
+
+def _requirement_line(fmt: str) -> str:
+    """The sentence-transformers version a sentence-transformers export needs: the one that wrote it, major version
+    and up (its ``modules.json`` names that version's module classes; 5.x fails on a 6.x folder with ``No module
+    named 'sentence_transformers.base'``)."""
+    if fmt != "sentence-transformers":
+        return ""
+    from importlib.metadata import version
+
+    major = version("sentence-transformers").split(".")[0]
+    return (
+        f"- **Requires:** `sentence-transformers>={major}` (this folder was written by sentence-transformers "
+        f"{version('sentence-transformers')}; older major versions cannot load its modules: use the `hf` export "
+        "with plain transformers there).\n"
+    )
 
 
 def _prompt_lines(spec: EmbeddingSpec) -> str:

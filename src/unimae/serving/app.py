@@ -14,15 +14,18 @@ token each per step, a new one joining at the next step (``--no-continuous-batch
 further ones get 429. A client that disconnects from a stream stops its generation within a token. Embedding
 chunks and decode steps take turns on the model (a FIFO lock, ``model_lock.py``).
 
+The same routes serve either engine (:mod:`unimae.serving.engine`): the PyTorch one (``torch_engine.py``)
+or an exported GGUF in llama.cpp (``llamacpp_engine.py``), with the same checks, limits, 429s and errors.
+
 Where things are: the routes in ``routes/`` (one router per group), the state they share in ``state.py``,
 generation slots in ``slots.py``, continuous batching of generations in ``scheduler.py``, the model lock in
-``model_lock.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key and body-size guard in
-``guard.py``. This module builds the app from them and turns every exception into the error body.
+``model_lock.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key, body-size and
+body-timeout guard in ``guard.py``. This module builds the app from them and turns every exception into the
+error body; a client that leaves mid-request is one INFO line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -30,10 +33,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from unimae.encoder import Encoder
 from unimae.retrieval.index import VectorIndex
 from unimae.serving.config import ServerConfig
+from unimae.serving.engine import Engine
 from unimae.serving.guard import RequestGuard
 from unimae.serving.routes import completions, embeddings, meta, rag
 from unimae.serving.schemas import APIError
@@ -42,31 +47,38 @@ from unimae.serving.state import ServerState
 logger = logging.getLogger(__name__)
 
 
-def create_app(encoder: Encoder, config: ServerConfig | None = None, index: VectorIndex | None = None) -> FastAPI:
-    """A FastAPI app serving ``encoder`` (an :class:`~unimae.encoder.Encoder`) and optionally ``index``."""
+def create_app(
+    engine: Engine | Encoder, config: ServerConfig | None = None, index: VectorIndex | None = None
+) -> FastAPI:
+    """A FastAPI app serving ``engine`` (an :class:`~unimae.encoder.Encoder` is served by the PyTorch engine)
+    and optionally ``index``."""
     config = config or ServerConfig()
     app = FastAPI(title="unimae", lifespan=_lifespan)
-    app.state.server = ServerState.build(encoder, config, index)
+    app.state.server = ServerState.build(engine, config, index)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_left)
     app.add_exception_handler(Exception, unexpected_error)
     for routes in (meta, embeddings, completions, rag):
         app.include_router(routes.router)
-    app.add_middleware(RequestGuard, limit=config.max_body_bytes, api_key=config.api_key)
+    app.add_middleware(
+        RequestGuard, limit=config.max_body_bytes, api_key=config.api_key, body_timeout=config.body_timeout_s
+    )
     return app
 
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: ServerState = app.state.server
-    state.batcher.start()
-    if state.scheduler is not None:
-        state.scheduler.start()
-    logger.info("serving %s (%d-dim embeddings)", state.config.model_name, state.encoder.embedding_dim)
+    state.engine.start()
+    logger.info(
+        "serving %s (%s engine, %d-dim embeddings)",
+        state.config.model_name,
+        state.engine.kind,
+        state.engine.embedding_dim,
+    )
     yield
-    await state.batcher.stop()
-    if state.scheduler is not None:
-        await asyncio.get_running_loop().run_in_executor(None, state.scheduler.stop)  # waits for its current step
+    await state.engine.stop()
 
 
 async def api_error(request: Request, err: APIError) -> JSONResponse:
@@ -76,6 +88,12 @@ async def api_error(request: Request, err: APIError) -> JSONResponse:
 async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (unknown path, wrong method) in the OpenAI shape."""
     return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+
+async def client_left(request: Request, err: ClientDisconnect) -> JSONResponse:
+    """The client closed the connection while its request body was read: one line, no traceback."""
+    logger.info("client left during %s %s", request.method, request.url.path)
+    return JSONResponse(APIError(499, "the client closed the connection").body(), status_code=499)
 
 
 async def unexpected_error(request: Request, err: Exception) -> JSONResponse:

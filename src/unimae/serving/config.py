@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 
 
 @dataclass
@@ -11,7 +12,11 @@ class ServerConfig:
 
     model_name: str = field(
         default="unimae",
-        metadata={"help": "Model id the API reports and accepts; the CLI uses the model's name or path unless given."},
+        metadata={
+            "help": "Model id the API reports and accepts. Not given, `unimae serve` names it after the model: "
+            "a name or Hugging Face id as given (smollm2-135m), a local directory by its name, a GGUF by the model "
+            "it was exported from (with --index: the index's model); the value below is ServerConfig()'s only."
+        },
     )
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (not /health)."})
     max_inputs: int = field(default=256, metadata={"help": "Most texts in one embeddings request."})
@@ -49,6 +54,13 @@ class ServerConfig:
     )
     batch_max_texts: int = field(default=64, metadata={"help": "Most texts per batched embedding forward pass."})
     batch_wait_ms: float = field(default=10.0, metadata={"help": "Longest wait for more requests to batch."})
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "Longest wait for the next part of a request body; 408 and the connection closed after."},
+    )
+    keep_alive_s: float = field(
+        default=5.0, metadata={"help": "An idle keep-alive connection is closed after this many seconds."}
+    )
 
     def __post_init__(self):
         positive = (
@@ -64,6 +76,9 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.on_too_long not in ("truncate", "error"):
             raise ValueError(f"on_too_long must be 'truncate' or 'error', got {self.on_too_long!r}")
         check_api_key(self.api_key)
@@ -79,3 +94,14 @@ def check_api_key(key: str | None) -> str | None:
             "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
         )
     return key
+
+
+def model_id(source: str) -> str:
+    """The served model id of a model named ``source`` (both engines): a name or Hugging Face id as given
+    (``smollm2-135m``, ``HuggingFaceTB/SmolLM2-135M``), a local directory or file by its last part without a
+    ``.gguf`` suffix. The llama.cpp engine applies it to the model a unimae GGUF was exported from, so both
+    engines serving the same model answer to the same id."""
+    path = PurePath(source)
+    if Path(source).exists() or path.is_absolute() or source.startswith("."):
+        return path.name.removesuffix(".gguf")
+    return source

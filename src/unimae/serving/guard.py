@@ -1,4 +1,5 @@
-"""The request guard in front of every route: API key (all routes but /health) and request-body size limit.
+"""The request guard in front of every route: API key (all routes but /health), request-body size limit and
+body-read timeout (a client that sends part of a body and then nothing is answered 408, not held for ever).
 
 A pure ASGI middleware rather than FastAPI dependencies (``HTTPBearer``) or ``BaseHTTPMiddleware``:
 it rejects before routing (a request without the key gets 401 on any path, unknown ones included), it
@@ -8,6 +9,7 @@ a route reads the body reaches the route's error handler unwrapped.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 from starlette.responses import JSONResponse
@@ -20,11 +22,12 @@ class RequestGuard:
     """401 without ``Authorization: Bearer <api_key>`` (when a key is set); 413 for a body over ``limit``.
 
     A body over ``limit`` bytes gets 413 before it is read into memory, whether it announces its length
-    (checked here) or streams in chunks (counted as the route reads them).
+    (checked here) or streams in chunks (counted as the route reads them). A body whose next part takes more
+    than ``body_timeout`` seconds to come gets 408.
     """
 
-    def __init__(self, app: ASGIApp, limit: int, api_key: str | None):
-        self.app, self.limit, self.api_key = app, limit, api_key
+    def __init__(self, app: ASGIApp, limit: int, api_key: str | None, body_timeout: float = 30.0):
+        self.app, self.limit, self.api_key, self.body_timeout = app, limit, api_key, body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -37,11 +40,18 @@ class RequestGuard:
         too_long = APIError(413, f"request body is larger than the server's limit of {self.limit} bytes")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await JSONResponse(too_long.body(), status_code=413)(scope, receive, send)
-        seen = 0
+        seen, body_done = 0, False
+        too_slow = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s; send it whole")
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect is left to receive: wait for it as long as it takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                raise too_slow from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise too_long

@@ -1,16 +1,16 @@
-"""``unimae serve --engine llama.cpp``: unimae's OpenAI routes served by ONE llama.cpp model (an exported GGUF).
+"""``unimae serve --engine llama.cpp``: unimae's routes served by ONE llama.cpp model (an exported GGUF).
 
 :class:`LlamaCppModel` loads the file in llama.cpp in-process (the ``xllamacpp`` wheel's ``Server``) with
 embeddings on and last-token pooling, so the same weights embed and generate. Embeddings follow unimae's
 EOS rule exactly: texts are tokenized with the model's own tokenizer (read from the GGUF by transformers, as
 ``unimae.models`` does), truncated to ``max_length - 1`` tokens, and the EOS id is appended; llama.cpp gets
-token ids and pools the last one. Completions and chat go to llama.cpp's own OpenAI handlers (its sampler,
-the GGUF's chat template); ``top_k`` and ``min_p`` are turned off so temperature and top_p mean what they
-mean in unimae's engine.
+token ids and pools the last one. Generations send llama.cpp the prompt's token ids (chat through the GGUF's
+chat template, as transformers reads it) and stream its text back; ``top_k`` and ``min_p`` are turned off so
+temperature and top_p mean what they mean in unimae's engine.
 
-:func:`create_llamacpp_app` builds the routes: ``POST /v1/embeddings``, ``/v1/completions``,
-``/v1/chat/completions`` (SSE streaming), ``/v1/rag`` (with an index built from the same adapter),
-``GET /v1/models``, ``GET /health``, behind the same API-key and body-size guard as ``unimae serve``.
+:class:`LlamaCppEngine` is the model behind the SAME routes, state, limits (429s) and disconnect handling as
+the PyTorch engine (:mod:`unimae.serving.engine`): embeddings go through the same token-budgeted batcher,
+generations hold the same slots, and a client that leaves stops its generation at llama.cpp's next token.
 RAG embeds the query (``query + EOS``) and starts the prompt with those ids; llama.cpp's prompt cache
 reuses the query's KV when the same slot serves both, which ``usage.cached_prompt_tokens`` reports.
 
@@ -20,41 +20,32 @@ so only this process can use it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
+from unimae.embedding.pooling import PooledInput
 from unimae.embedding.spec import with_prompt
 from unimae.embedding.tokenization import encode_with_eos
 from unimae.embedding.vectors import finish_embeddings
 from unimae.export.gguf import KEY_PREFIX
+from unimae.generation.sampling import GenerationParams
+from unimae.generation.stream import GenerationResult
 from unimae.retrieval.index import Hit, VectorIndex
-from unimae.retrieval.rag import RAGAnswer, passages_json, prompt_tail
-from unimae.serving.config import ServerConfig
-from unimae.serving.guard import RequestGuard
-from unimae.serving.schemas import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    RAGRequest,
-    check_dimensions,
-    embeddings_body,
-    models_body,
-    parse_body,
-)
-from unimae.serving.sse import sse_frame
+from unimae.retrieval.rag import RAGAnswer, RAGPrompt, prompt_tail
+from unimae.serving.app import create_app
+from unimae.serving.batcher import DynamicBatcher
+from unimae.serving.config import ServerConfig, model_id
+from unimae.serving.schemas import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +123,18 @@ class LlamaCppModel:
 
     @property
     def name(self) -> str:
-        return self.path.stem
+        """The served model id: that of the model it was exported from (see :func:`model_id`), else its stem."""
+        source = self.metadata.get(f"{KEY_PREFIX}base_model")
+        return model_id(str(source)) if source else self.path.stem
+
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of a prompt: plain text, or a message list through the GGUF's chat template."""
+        if isinstance(prompt, list):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this model has no chat template; send a plain-text prompt instead")
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def embedding_ids(
         self, texts: list[str], max_length: int | None = None, input_type: str | None = None
@@ -152,17 +154,9 @@ class LlamaCppModel:
         """(N, D) unit-length ``eos`` embeddings of ``texts``, as ``Encoder.encode(texts, normalize=True)``."""
         return self.embed_ids(self.embedding_ids(texts))
 
-    def complete(self, request: dict, on_chunk: Callable[[dict], bool] | None = None) -> dict | None:
-        """llama.cpp's /v1/completions; with ``on_chunk`` it streams (return True from it to stop)."""
-        return _call(self.server.handle_completions, request, on_chunk)
-
-    def chat(self, request: dict, on_chunk: Callable[[dict], bool] | None = None) -> dict | None:
-        """llama.cpp's /v1/chat/completions (the GGUF's chat template); streams like :meth:`complete`."""
-        return _call(self.server.handle_chat_completions, request, on_chunk)
-
-
-def _call(handler, request: dict, on_chunk) -> dict | None:
-    return _check(handler(request)) if on_chunk is None else handler(request, on_chunk)
+    def complete(self, request: dict, on_chunk: Callable[[dict], bool]) -> None:
+        """llama.cpp's /v1/completions, streamed: ``on_chunk`` gets each chunk (return True from it to stop)."""
+        self.server.handle_completions(request, on_chunk)
 
 
 def _check(reply):
@@ -172,29 +166,6 @@ def _check(reply):
         status = int(error.get("code", 500)) if str(error.get("code", "")).isdigit() else 500
         raise APIError(status if 400 <= status < 600 else 500, str(error.get("message", error)))
     return reply
-
-
-class LlamaCppState:
-    """What the routes share: the model, the settings and the index (optional)."""
-
-    def __init__(self, model: LlamaCppModel, config: ServerConfig, index: VectorIndex | None):
-        self.model, self.config, self.index = model, config, index
-        if index is not None:
-            check_index(model, index)
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.model_name:
-            served = self.config.model_name
-            raise APIError(404, f"model {name!r} is not served here; use {served!r}", "model", "model_not_found")
-
-    def sampling(self, body, default_tokens: int) -> dict:
-        """The sampling fields of an OpenAI request for llama.cpp (only temperature and top_p act)."""
-        tokens = body.max_tokens or default_tokens
-        if tokens > self.config.max_new_tokens:
-            raise APIError(400, f"max_tokens {tokens} is over this server's limit of {self.config.max_new_tokens}")
-        request = {"max_tokens": tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": 0}
-        request.update({"min_p": 0.0, "stop": body.stop, "stream": body.stream})
-        return request | ({"seed": body.seed} if body.seed is not None else {})
 
 
 def check_index(model: LlamaCppModel, index: VectorIndex) -> None:
@@ -218,175 +189,171 @@ def check_index(model: LlamaCppModel, index: VectorIndex) -> None:
 
 
 def create_llamacpp_app(model: LlamaCppModel, config: ServerConfig, index: VectorIndex | None = None) -> FastAPI:
-    """The OpenAI-compatible app of ``unimae serve --engine llama.cpp`` over ``model``."""
-    app = FastAPI(title="unimae (llama.cpp)")
-    state = LlamaCppState(model, config, index)
+    """The OpenAI-compatible app of ``unimae serve --engine llama.cpp`` over ``model``: unimae's routes over a
+    :class:`LlamaCppEngine`."""
+    app = create_app(LlamaCppEngine(model, config, index), config, index)
     app.state.llamacpp = model
-
-    @app.get("/health")
-    async def health() -> dict:
-        passages = len(index) if index is not None else None
-        return {"status": "ok", "model": config.model_name, "engine": "llama.cpp", "index_passages": passages}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return models_body(config.model_name)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> dict:
-        body, ids = await run_in_threadpool(_embedding_inputs, state, await request.body())
-        vectors = finish_embeddings(await run_in_threadpool(model.embed_ids, ids), body.dimensions, normalize=True)
-        return embeddings_body(config.model_name, vectors, body.encoding_format, sum(map(len, ids)))
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> dict | StreamingResponse:
-        body = parse_body(await request.body(), CompletionRequest)
-        state.check_model(body.model)
-        return await _generate(model.complete, {"prompt": body.prompt, **state.sampling(body, 16)}, config.model_name)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(request: Request) -> dict | StreamingResponse:
-        body = parse_body(await request.body(), ChatRequest)
-        state.check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
-        sampling = state.sampling(body, config.default_chat_tokens)
-        return await _generate(model.chat, {"messages": messages, **sampling}, config.model_name)
-
-    @app.post("/v1/rag", response_model=None)
-    async def rag(request: Request) -> dict | StreamingResponse:
-        body = parse_body(await request.body(), RAGRequest)
-        if index is None:
-            raise APIError(404, "no index is loaded; start the server with --index DIR", code="no_index")
-        tokens = body.max_tokens or config.default_chat_tokens
-        if tokens > config.max_new_tokens:
-            raise APIError(400, f"max_tokens {tokens} is over this server's limit of {config.max_new_tokens}")
-        query_ids, hits, prompt = await run_in_threadpool(_rag_prompt, state, body.query, body.k)
-        if len(prompt) + tokens > model.context:
-            raise APIError(400, f"the prompt ({len(prompt)} tokens) and {tokens} new tokens exceed the context")
-        request_body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": body.stream}
-        if body.stream:
-            return StreamingResponse(
-                _rag_events(model, request_body, hits, config.model_name), media_type="text/event-stream"
-            )
-        reply = await run_in_threadpool(model.complete, request_body)
-        return _rag_answer(reply, hits).to_json(config.model_name)
-
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(RequestGuard, limit=config.max_body_bytes, api_key=config.api_key)
     return app
 
 
-def _embedding_inputs(state: LlamaCppState, raw: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
-    body = parse_body(raw, EmbeddingRequest)
-    state.check_model(body.model)
-    model, config = state.model, state.config
-    if len(body.input) > config.max_inputs:
-        raise APIError(400, f"{len(body.input)} inputs; this server takes at most {config.max_inputs}", "input")
-    check_dimensions(body.dimensions, model.embedding_dim, model.matryoshka_dims)
-    for i, text in enumerate(body.input):
-        if not text.strip():
-            raise APIError(400, f"input[{i}] is empty", "input")
-    error = config.on_too_long == "error"
-    ids = model.embedding_ids(body.input, model.max_length + 1 if error else model.max_length, body.input_type)
-    for i, row in enumerate(ids):
-        if len(row) > model.max_length:
-            raise APIError(400, f"input[{i}] is over this server's limit of {model.max_length} tokens", "input")
-    return body, ids
+@dataclass
+class LlamaCppStats:
+    """Generation counters since start (``/health`` reports them)."""
+
+    requests: int = 0  # started
+    finished: int = 0  # ended at EOS, a stop string or max_tokens
+    cancelled: int = 0  # the client left
+    failed: int = 0  # ended by an error
+    tokens: int = 0  # new tokens produced
 
 
-def _rag_prompt(state: LlamaCppState, query: str, k: int):
-    """(query ids = query + EOS, hits, prompt ids): the prompt starts with the embedding pass's ids."""
-    model = state.model
-    query_ids = model.embedding_ids([query], input_type="query")[0]
-    dims = state.index.dim if state.index.dim < model.embedding_dim else None
-    hits = state.index.search(finish_embeddings(model.embed_ids([query_ids]), dims, normalize=True), k)[0]
-    return query_ids, hits, query_ids + prompt_tail(model.tokenizer, query, hits)
+class LlamaCppEngine:
+    """A :class:`LlamaCppModel` behind the server's routes (:class:`~unimae.serving.engine.Engine`)."""
 
+    kind = "llama.cpp"
 
-def _rag_answer(reply: dict, hits: list[Hit]) -> RAGAnswer:
-    """A llama.cpp completion reply as unimae's RAG answer (usage from its OpenAI-style ``usage``)."""
-    choice, usage = reply["choices"][0], reply.get("usage", {})
-    return RAGAnswer(
-        text=choice["text"],
-        hits=hits,
-        prompt_tokens=usage.get("prompt_tokens"),
-        cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-        completion_tokens=usage.get("completion_tokens"),
-        finish_reason=choice.get("finish_reason"),
-    )
+    def __init__(self, model: LlamaCppModel, config: ServerConfig, index: VectorIndex | None = None):
+        if index is not None:
+            check_index(model, index)
+        self.model, self.config, self.index = model, config, index
+        self.has_index = index is not None
+        self.embedding_dim, self.matryoshka_dims = model.embedding_dim, model.matryoshka_dims
+        self.context = model.context
+        self.batcher = DynamicBatcher(  # started and stopped by the app's lifespan
+            self._embed_chunk,
+            config.batch_max_texts,
+            config.batch_wait_ms,
+            chunk_tokens=config.embed_chunk_tokens,
+            size=lambda item: len(item.ids),
+        )
+        self.stats = LlamaCppStats()
 
+    @property
+    def max_length(self) -> int:
+        return self.model.max_length  # the index's, once check_index has run
 
-async def _generate(handler: Callable, request: dict, name: str) -> dict | StreamingResponse:
-    if not request["stream"]:
-        reply = await run_in_threadpool(handler, request)
-        return {**reply, "model": name}
+    def start(self) -> None:
+        self.batcher.start()
 
-    def rename(chunk: dict) -> dict:
-        return {**chunk, "model": name} if isinstance(chunk, dict) and "choices" in chunk else chunk
+    async def stop(self) -> None:
+        await self.batcher.stop()
 
-    return StreamingResponse(_stream(handler, request, rename), media_type="text/event-stream")
+    def snapshot(self) -> dict:
+        return {"embeddings": self.batcher.snapshot(), "generations": asdict(self.stats)}
 
+    def embedding_inputs(self, texts: list[str], input_type: str | None, over: bool) -> list[PooledInput]:
+        """unimae's EOS rule (see :meth:`LlamaCppModel.embedding_ids`); ``over``: one token more, so that an input
+        over ``max_length`` comes out longer than it."""
+        rows = self.model.embedding_ids(texts, self.max_length + 1 if over else self.max_length, input_type)
+        return [PooledInput(row, [0] * (len(row) - 1) + [1]) for row in rows]
 
-async def _stream(handler: Callable, request: dict, render: Callable[[dict], dict]) -> AsyncIterator[bytes]:
-    """SSE frames of a streamed llama.cpp call run in a worker thread; a client that leaves stops it."""
-    loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
-    done = object()
+    def _embed_chunk(self, inputs: list[PooledInput]) -> np.ndarray:
+        return self.model.embed_ids([item.ids for item in inputs])  # (N, D) unit rows
 
-    def on_chunk(chunk) -> bool:
-        chunk = json.loads(chunk) if isinstance(chunk, (str, bytes)) else chunk
-        loop.call_soon_threadsafe(queue.put_nowait, chunk)
-        return stop.is_set()
+    async def embed(self, inputs: list[PooledInput]) -> np.ndarray:
+        return await self.batcher.submit(inputs)
 
-    def run() -> None:
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        return self.model.prompt_ids(prompt)
+
+    def generate(
+        self, ids: list[int], params: GenerationParams, cancel: threading.Event
+    ) -> Iterator[str | GenerationResult]:
+        """llama.cpp's completion of the token ids ``ids``, streamed: text pieces, then the result. ``cancel``
+        (or closing the iterator) stops llama.cpp at its next token."""
+        request = {
+            "prompt": ids,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "stop": list(params.stop),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if params.seed is not None:
+            request["seed"] = params.seed
+        return self._stream(request, len(ids), cancel)
+
+    def _stream(self, request: dict, prompt_tokens: int, cancel: threading.Event) -> Iterator[str | GenerationResult]:
+        chunks: SimpleQueue = SimpleQueue()
+        done = object()
+
+        def on_chunk(chunk) -> bool:
+            chunks.put(json.loads(chunk) if isinstance(chunk, (str, bytes)) and chunk != "[DONE]" else chunk)
+            return cancel.is_set()
+
+        def run() -> None:
+            try:
+                self.model.complete(request, on_chunk)
+            except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
+                chunks.put(err)
+            finally:
+                chunks.put(done)
+
+        self.stats.requests += 1
+        worker = threading.Thread(target=run, name="unimae-llamacpp-generation", daemon=True)
+        worker.start()
+        text, usage, finish = [], {}, None
         try:
-            handler(request, on_chunk)
-        except Exception as err:  # the 200 is already sent: report in the stream
-            logger.exception("llama.cpp generation failed mid-stream")
-            loop.call_soon_threadsafe(queue.put_nowait, APIError(500, f"generation failed: {err}").body())
+            while (chunk := chunks.get()) is not done:
+                if isinstance(chunk, Exception):
+                    self.stats.failed += 1
+                    raise chunk
+                if not isinstance(chunk, dict):  # "[DONE]"
+                    continue
+                _check(chunk)
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+                    if choice.get("text"):
+                        text.append(choice["text"])
+                        yield choice["text"]
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, done)
+            stopped_early = cancel.is_set()
+            cancel.set()  # llama.cpp stops at its next chunk
+        self.stats.cancelled += stopped_early
+        self.stats.finished += not stopped_early
+        completion = usage.get("completion_tokens", len(text))
+        self.stats.tokens += completion
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        prompt = usage.get("prompt_tokens", prompt_tokens)
+        yield GenerationResult("".join(text), prompt, completion, finish or "stop", cached)
 
-    worker = loop.run_in_executor(None, run)
-    try:
-        while (chunk := await queue.get()) is not done:
-            if chunk != "[DONE]":
-                yield sse_frame(render(chunk))
-        yield sse_frame("[DONE]")
-    finally:
-        stop.set()
-        await asyncio.shield(worker)
+    def rag_prepare(self, query: str, params: GenerationParams, k: int | None, reuse_kv: bool) -> RAGPrompt:
+        """Embed the query (``query + EOS``), retrieve ``k`` passages and build the prompt that starts with the
+        query's ids (llama.cpp's prompt cache reuses their KV); ValueError when it leaves no room for the answer."""
+        if not query.strip():
+            raise ValueError("the question is empty")
+        model = self.model
+        query_ids = model.embedding_ids([query], input_type="query")[0]
+        dims = self.index.dim if self.index.dim < model.embedding_dim else None
+        hits = self.index.search(finish_embeddings(model.embed_ids([query_ids]), dims, normalize=True), k or 3)[0]
+        prompt = query_ids + prompt_tail(model.tokenizer, query, hits)
+        if len(prompt) + params.max_new_tokens > model.context:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) and {params.max_new_tokens} new tokens exceed the context "
+                f"of {model.context} tokens; shorten the question or lower k / max_tokens"
+            )
+        return RAGPrompt(hits, prompt)
 
-
-async def _rag_events(model: LlamaCppModel, request: dict, hits: list[Hit], name: str) -> AsyncIterator[bytes]:
-    """``rag.passages``, ``rag.delta`` text pieces, then ``rag.answer`` (as unimae's engine streams RAG)."""
-    yield sse_frame({"object": "rag.passages", "passages": passages_json(hits)})
-    text, last = [], {}
-
-    def delta(chunk: dict) -> dict:
-        if "choices" not in chunk:
-            return chunk
-        piece = chunk["choices"][0].get("text") or ""
-        text.append(piece)
-        last.update(chunk)
-        return {"object": "rag.delta", "text": piece}
-
-    async for frame in _stream(model.complete, request, delta):
-        if frame == sse_frame("[DONE]"):
-            reply = {**last, "choices": [{**last.get("choices", [{}])[0], "text": "".join(text)}]}
-            yield sse_frame(_rag_answer(reply, hits).to_json(name))
-        yield frame
-
-
-async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(APIError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
-
-
-async def _unexpected_error(request: Request, err: Exception) -> JSONResponse:
-    logger.exception("internal error on %s", request.url.path)
-    return JSONResponse(APIError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
+    def rag_stream(
+        self, query: str, prompt: RAGPrompt, params: GenerationParams, cancel: threading.Event
+    ) -> Iterator[list[Hit] | str | RAGAnswer]:
+        """The hits, the answer's text pieces (greedy), then the :class:`RAGAnswer`."""
+        yield prompt.hits
+        result = None
+        for item in self.generate(prompt.ids, GenerationParams(max_new_tokens=params.max_new_tokens), cancel):
+            if isinstance(item, GenerationResult):
+                result = item
+            else:
+                yield item
+        yield RAGAnswer(
+            text=result.text,
+            hits=prompt.hits,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            completion_tokens=result.completion_tokens,
+            finish_reason=result.finish_reason,
+        )

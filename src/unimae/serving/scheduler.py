@@ -47,12 +47,33 @@ import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from queue import SimpleQueue
+from typing import Protocol
 
 from unimae.generation.decoding import Decoder, DecodeState, padded_groups
 from unimae.generation.sampling import GenerationParams
 from unimae.serving.model_lock import ModelLock
 
 logger = logging.getLogger(__name__)
+
+
+class TokenSource(Protocol):
+    """``generate_stream``'s ``decode``: new token ids after ``input_ids``, ending after an EOS id (yielded too),
+    ``params.max_new_tokens``, or once ``cancel`` is set. :func:`~unimae.generation.decoding.decode_tokens` is one
+    for any ``model`` and ``precision``; :meth:`GenerationScheduler.decode` is one BOUND to the scheduler's model
+    and precision: ``generate_stream`` passes them (it knows no other signature), and the scheduler checks them,
+    a ValueError for any other model or precision (a caller's mistake, never a request's)."""
+
+    def __call__(
+        self,
+        model,
+        input_ids: list[int],
+        params: GenerationParams,
+        eos_ids: set[int],
+        precision: str = "fp32",
+        past_key_values=None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]: ...
+
 
 _DONE = object()  # the last item of a request's queue
 THREAD_NAME = "unimae-generation-scheduler"
@@ -181,8 +202,8 @@ class GenerationScheduler:
         past_key_values=None,
         cancel: threading.Event | None = None,
     ) -> Iterator[int]:
-        """:func:`~unimae.generation.decoding.decode_tokens`, decoded in the batch: pass it as ``generate_stream``'s
-        ``decode``. ``model`` and ``precision`` must be the scheduler's own."""
+        """A :class:`TokenSource` bound to this scheduler's model and precision: :meth:`submit`, decoded in the batch;
+        pass it as ``generate_stream``'s ``decode``. ``model`` and ``precision`` must be the scheduler's own."""
         if model is not self.model or precision != self.precision:
             raise ValueError(
                 f"this scheduler decodes its own model in {self.precision}; "

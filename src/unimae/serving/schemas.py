@@ -145,6 +145,10 @@ class EmbeddingRequest(BaseModel):
         return _as_list(value, "input")
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk with the usage and no choices, as OpenAI sends it
+
+
 class _Sampling(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -152,6 +156,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
 
@@ -164,6 +169,10 @@ class _Sampling(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("'stop' takes up to 4 non-empty strings")
         return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):

@@ -57,13 +57,14 @@ def sse_response(events: AsyncIterator[bytes], slots: GenerationSlots) -> Stream
 async def sse_events(
     slots: GenerationSlots,
     make_items: Callable[[], Iterator[Any]],
-    render: Callable[[Any], dict | None],
+    render: Callable[[Any], dict | list[dict] | None],
     cancel: threading.Event,
     first: Iterable[dict] = (),
 ) -> AsyncIterator[bytes]:
     """Events of a generation that holds one of ``slots`` (reserved by the route before it returned).
 
-    ``first`` payloads, then ``render(item)`` for each item of ``make_items()`` (None skips it), then
+    ``first`` payloads, then ``render(item)`` for each item of ``make_items()`` (None skips it, a list is several
+    payloads), then
     [DONE]. An error after the 200 is reported in the stream; a client that leaves sets ``cancel``.
     """
     items = None
@@ -74,8 +75,8 @@ async def sse_events(
             items = make_items()
             async for item in iterate_in_threadpool(items):
                 payload = render(item)
-                if payload is not None:
-                    yield sse_frame(payload)
+                for one in payload if isinstance(payload, list) else [] if payload is None else [payload]:
+                    yield sse_frame(one)
     except APIError as err:
         yield sse_frame(err.body())
     except Exception as err:  # the 200 is already sent: report in the stream, end it properly

@@ -30,7 +30,7 @@ async def embeddings(request: Request, state: StateDep) -> Response:
     gone = asyncio.ensure_future(client_gone(request))
     try:
         body, inputs = await run_in_threadpool(_prepare, state, raw)
-        vectors = await unless_gone(state.batcher.submit(inputs), gone, "its embeddings")  # (N, D) unit rows
+        vectors = await unless_gone(state.engine.embed(inputs), gone, "its embeddings")  # (N, D) unit rows
     finally:
         gone.cancel()
     content = await run_in_threadpool(_render, state, body, inputs, vectors)
@@ -42,19 +42,19 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
     too long ones, 413 for more tokens than ``max_request_tokens``."""
     body = parse_body(raw, EmbeddingRequest)
     state.check_model(body.model)
-    texts, config, encoder = body.input, state.config, state.encoder
+    texts, config, engine = body.input, state.config, state.engine
     if len(texts) > config.max_inputs:
         raise APIError(400, f"{len(texts)} inputs; this server takes at most {config.max_inputs} per request", "input")
-    check_dimensions(body.dimensions, encoder.embedding_dim, encoder.spec.matryoshka_dims)
+    check_dimensions(body.dimensions, engine.embedding_dim, engine.matryoshka_dims)
     for i, text in enumerate(texts):
         if not text.strip():
             raise APIError(400, f"input[{i}] is empty", "input")
     inputs = state.embedding_inputs(texts, body.input_type)
     for i, item in enumerate(inputs):
-        if len(item.ids) > encoder.max_length:  # built for max_length + 2 only when on_too_long is "error"
+        if len(item.ids) > engine.max_length:  # built longer only when on_too_long is "error"
             raise APIError(
                 400,
-                f"input[{i}] is over this server's limit of {encoder.max_length} tokens; shorten it "
+                f"input[{i}] is over this server's limit of {engine.max_length} tokens; shorten it "
                 "(or start the server with --on-too-long truncate)",
                 "input",
             )

@@ -1,5 +1,5 @@
-"""``GET /health`` (liveness, the embedding batcher's and the generation scheduler's counters; the only route that
-needs no API key) and ``GET /v1/models``."""
+"""``GET /health`` (liveness, the engine, the generation slots, the embedding batcher's and the engine's
+generation counters; the only route that needs no API key) and ``GET /v1/models``."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ router = APIRouter()
 
 @router.get("/health", response_model=None)
 async def health(state: StateDep) -> dict:
-    index = state.index
+    index, slots = state.index, state.slots
     return {
         "status": "ok",
         "model": state.config.model_name,
+        "engine": state.engine.kind,
         "index_passages": len(index) if index else None,
-        "embeddings": state.batcher.snapshot(),  # chunks, tokens, waiting and cancelled requests
-        "generations": state.scheduler.snapshot() if state.scheduler is not None else None,  # steps, batch sizes
+        "slots": {"running": slots.running, "waiting": slots.waiting, "max_running": slots.max_running},
+        **state.engine.snapshot(),  # embeddings: chunks, tokens, waiting and cancelled; generations: the engine's
     }
 
 

@@ -2,14 +2,15 @@
 
 Body ``{"query", "k", "max_tokens", "stream", "reuse_kv"}``; answer ``rag.answer`` with the passages and
 usage (``cached_prompt_tokens``: the query's embedding pass reused as the prompt's KV cache). Streamed, the
-events are ``rag.passages``, then ``rag.delta`` text pieces, then the ``rag.answer``.
+events are ``rag.passages``, then ``rag.delta`` text pieces, then the ``rag.answer``. A client that leaves
+ends the answer within a token, streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
-from collections.abc import Callable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +19,8 @@ from starlette.concurrency import run_in_threadpool
 from unimae.generation.sampling import GenerationParams
 from unimae.retrieval.index import Hit
 from unimae.retrieval.rag import RAGAnswer, passages_json
+from unimae.serving.disconnect import client_gone, unless_gone
+from unimae.serving.engine import run_to_end
 from unimae.serving.schemas import APIError, RAGRequest, parse_request
 from unimae.serving.sse import sse_events, sse_response
 from unimae.serving.state import StateDep
@@ -28,40 +31,33 @@ router = APIRouter()
 @router.post("/v1/rag", response_model=None)
 async def rag_answer(request: Request, state: StateDep) -> dict | StreamingResponse:
     body = await parse_request(request, RAGRequest)
-    if state.rag is None:
+    engine = state.engine
+    if not engine.has_index:
         raise APIError(404, "no index is loaded; start the server with --index DIR", code="no_index")
     params = GenerationParams(max_new_tokens=state.token_budget(body.max_tokens, state.config.default_chat_tokens))
-    try:
-        state.rag.check_budget(body.query, params.max_new_tokens)
-    except ValueError as err:
-        raise APIError(400, str(err), "query") from err
     state.slots.reserve()
     try:  # retrieval and the full prompt's budget check before any answer starts: a streamed answer gets 400 too
-        prompt = await run_in_threadpool(
-            state.rag.prepare, body.query, params, k=body.k, reuse_kv=body.reuse_kv, on_model=state.lock.run
-        )
+        prompt = await run_in_threadpool(engine.rag_prepare, body.query, params, body.k, body.reuse_kv)
     except BaseException as err:
         state.slots.unreserve()
         if isinstance(err, ValueError):
             raise APIError(400, str(err), "query") from err
         raise
     cancel = threading.Event()
-    run = functools.partial(
-        state.rag.stream, body.query, params=params, cancel=cancel, decode=state.decode, prompt=prompt
-    )
     model = state.config.model_name
+    run = functools.partial(engine.rag_stream, body.query, prompt, params, cancel)
     if body.stream:
         return sse_response(sse_events(state.slots, run, functools.partial(_event, model), cancel), state.slots)
-    async with state.slots.hold():
-        try:
-            answer = await run_in_threadpool(_last_answer, run)
-        except ValueError as err:
-            raise APIError(400, str(err), "query") from err
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        async with state.slots.hold():
+            work = run_in_threadpool(lambda: run_to_end(run()))
+            answer: RAGAnswer = await unless_gone(work, gone, "its answer", stop=cancel)
+    except ValueError as err:
+        raise APIError(400, str(err), "query") from err
+    finally:
+        gone.cancel()
     return answer.to_json(model)
-
-
-def _last_answer(run: Callable[[], Iterator[list[Hit] | str | RAGAnswer]]) -> RAGAnswer:
-    return [item for item in run() if isinstance(item, RAGAnswer)][0]
 
 
 def _event(model: str, item: list[Hit] | str | RAGAnswer) -> dict:

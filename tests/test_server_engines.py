@@ -1,0 +1,324 @@
+"""The server's routes over both engines: the PyTorch engine and the llama.cpp engine (a GGUF exported from the
+same tiny random Llama; skipped without xllamacpp). Slots and 429s, ``stream_options.include_usage``, clients
+that leave (streamed or not, /v1/rag too), request bodies that stall, and a real client library (langchain)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import SENTENCES
+
+from unimae.encoder import Encoder
+from unimae.generation.stream import GenerationResult
+from unimae.retrieval.index import VectorIndex
+from unimae.serving.app import create_app
+from unimae.serving.config import ServerConfig
+from unimae.serving.engine import Engine
+
+ENGINES = ["torch", "llama.cpp"]
+WAIT = 60  # seconds: a guard against a hang, never an ordering device
+
+
+@pytest.fixture(scope="module")
+def tiny_sources(tiny_model_dirs, tmp_path_factory):
+    """(model dir, its index, its f32 GGUF or None without xllamacpp) of the tiny Llama, made once."""
+    model = str(tiny_model_dirs["llama"])
+    root = tmp_path_factory.mktemp("engines")
+    encoder = Encoder.from_pretrained(model, precision="fp32", max_length=32)
+    source = {"model": model, "adapter": None, "adapter_revision": "base"}
+    VectorIndex.build(encoder, [(f"p{i}", t) for i, t in enumerate(SENTENCES)], root / "index", source=source)
+    gguf = None
+    try:
+        import xllamacpp  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from unimae.export import export
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("UNIMAE_CACHE", str(root / "cache"))
+            gguf = export(model, None, root / "model.gguf", fmt="gguf", gguf_type="f32")
+    return model, root / "index", gguf
+
+
+def _engine(kind: str, sources, config: ServerConfig) -> tuple[Engine, VectorIndex]:
+    from unimae.retrieval.disk_index import open_index
+
+    model, index_dir, gguf = sources
+    index = open_index(index_dir)
+    if kind == "torch":
+        from unimae.serving.torch_engine import TorchEngine
+
+        return TorchEngine(Encoder.from_pretrained(model, precision="fp32", max_length=32), config, index), index
+    if gguf is None:
+        pytest.skip("the llama.cpp engine needs xllamacpp: pip install xllamacpp")
+    from unimae.serving.llamacpp_engine import LlamaCppEngine, LlamaCppModel
+
+    return LlamaCppEngine(LlamaCppModel(gguf, max_length=32, threads=1, parallel=2, context=512), config, index), index
+
+
+def _app(kind: str, sources, **options):
+    config = ServerConfig(model_name="tiny", **options)
+    engine, index = _engine(kind, sources, config)
+    return create_app(engine, config, index)
+
+
+def test_one_model_id_rule_for_both_engines(tiny_sources, tmp_path):
+    from unimae.serving.config import model_id
+
+    model, _, gguf = tiny_sources
+    assert model_id("smollm2-135m") == "smollm2-135m" and model_id("HuggingFaceTB/SmolLM2-135M").endswith("135M")
+    assert model_id(model) == model.rstrip("/").rsplit("/", 1)[-1]
+    if gguf is not None:  # the GGUF's id, read from its metadata as LlamaCppModel does (no llama.cpp server needed)
+        from types import SimpleNamespace
+
+        from unimae.serving.llamacpp_engine import LlamaCppModel, gguf_metadata
+
+        loaded = SimpleNamespace(metadata=gguf_metadata(gguf), path=gguf)
+        assert LlamaCppModel.name.fget(loaded) == model_id(model)
+        assert LlamaCppModel.name.fget(SimpleNamespace(metadata={}, path=tmp_path / "other.gguf")) == "other"
+
+
+@pytest.mark.parametrize(
+    ("kind", "one_at_a_time"),
+    [
+        ("torch", {"max_batch_generations": 1}),
+        ("torch", {"continuous_batching": False, "max_concurrent_generations": 1}),
+        ("llama.cpp", {"max_batch_generations": 1}),
+    ],
+    ids=["torch-batched", "torch-threads", "llama.cpp"],
+)
+def test_generation_queue_overflow_is_429_even_for_streams(tiny_sources, monkeypatch, kind, one_at_a_time):
+    app = _app(kind, tiny_sources, max_queued_generations=1, **one_at_a_time)
+    state = app.state.server
+    slots = state.slots
+    release = threading.Event()  # the running generation holds its slot until the test releases it
+
+    def blocked(ids, params, cancel):
+        assert release.wait(WAIT), "the test never released the generation"
+        yield "hi"
+        yield GenerationResult("hi", 1, 1, "stop")
+
+    monkeypatch.setattr(state.engine, "generate", blocked)
+
+    async def until(condition):
+        async def poll():
+            while not condition():
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), WAIT)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT) as http:
+            body = {"prompt": "the cat", "max_tokens": 4}
+            try:
+                running = asyncio.create_task(http.post("/v1/completions", json=body))
+                await until(lambda: slots.running == 1)
+                queued = asyncio.create_task(http.post("/v1/completions", json=body))
+                await until(lambda: slots.waiting == 1)
+                rejected = await http.post("/v1/completions", json={**body, "stream": True})
+                health = (await http.get("/health")).json()
+            finally:
+                release.set()
+            return (await running).status_code, (await queued).status_code, rejected, health
+
+    first, second, rejected, health = asyncio.run(main())
+    assert (first, second) == (200, 200)
+    assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"
+    assert health["engine"] == kind and health["slots"] == {"running": 1, "waiting": 1, "max_running": 1}
+    assert (slots.running, slots.waiting) == (0, 0)
+
+
+def _sse(response: httpx.Response) -> list:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_include_usage_adds_a_final_usage_chunk_and_health_counts(tiny_sources, kind):
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(kind, tiny_sources)) as client:
+        body = {"prompt": "the cat sat on", "max_tokens": 6, "temperature": 0, "stream": True}
+        plain = _sse(client.post("/v1/completions", json=body))
+        counted = _sse(client.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}}))
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        chat_frames = _sse(
+            client.post("/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}})
+        )
+        whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+        embedded = client.post("/v1/embeddings", json={"input": SENTENCES[:3]})
+        health = client.get("/health").json()
+    assert all("usage" not in frame for frame in plain)
+    last = counted[-1]
+    assert last["choices"] == [] and last["usage"] == whole["usage"], (last, whole)
+    assert "".join(f["choices"][0]["text"] for f in counted[:-1]) == whole["choices"][0]["text"]
+    assert chat_frames[-1]["choices"] == [] and chat_frames[-1]["object"] == "chat.completion.chunk"
+    assert chat_frames[-1]["usage"]["completion_tokens"] >= 1
+    assert embedded.status_code == 200 and len(embedded.json()["data"]) == 3
+    assert health["engine"] == kind and health["embeddings"]["texts"] == 3 and health["generations"]["tokens"] >= 1
+
+
+async def _leaving_client(app, path: str, body: dict, leave: threading.Event) -> list[dict]:
+    """Send ``body`` to ``path`` over raw ASGI; the client disconnects once ``leave`` is set. -> messages sent."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+        "state": {},
+    }
+    sent, told = [], False
+    loop = asyncio.get_running_loop()
+
+    async def receive() -> dict:
+        nonlocal told
+        if not told:
+            told = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await loop.run_in_executor(None, leave.wait, WAIT)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), WAIT)
+    return sent
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/rag"])
+def test_a_client_that_leaves_a_non_streamed_answer_stops_its_generation(tiny_sources, monkeypatch, kind, path):
+    app = _app(kind, tiny_sources, max_new_tokens=256)
+    state = app.state.server
+    engine, leave, results = state.engine, threading.Event(), []
+    generate = engine.generate
+
+    def watched(ids, params, cancel):  # the engine's own generation; the client leaves at its first piece
+        for item in generate(ids, params, cancel):
+            leave.set()
+            if isinstance(item, GenerationResult):
+                results.append(item)
+            yield item
+
+    monkeypatch.setattr(engine, "generate", watched)
+    if kind == "torch":  # its RAG decodes through the encoder's stream, not engine.generate
+        stream = engine.rag_stream
+
+        def rag_watched(query, prompt, params, cancel):
+            for item in stream(query, prompt, params, cancel):
+                leave.set()
+                if hasattr(item, "completion_tokens"):
+                    results.append(item)
+                yield item
+
+        monkeypatch.setattr(engine, "rag_stream", rag_watched)
+    body = {"prompt": "the cat", "max_tokens": 256, "temperature": 0}
+    if path == "/v1/rag":
+        body = {"query": "where did the dog run", "max_tokens": 200}
+
+    async def main():
+        engine.start()
+        try:
+            return await _leaving_client(app, path, body, leave)
+        finally:
+            await engine.stop()
+
+    started = time.monotonic()
+    sent = asyncio.run(main())
+    assert sent[0]["status"] == 499, sent
+    assert results and results[-1].completion_tokens < 64, "the generation ran on after its client left"
+    assert (state.slots.running, state.slots.waiting) == (0, 0)
+    assert time.monotonic() - started < WAIT
+
+
+def test_a_stalled_body_gets_408_and_a_client_leaving_mid_body_is_one_info_line(tiny_sources, caplog):
+    app = _app("torch", tiny_sources, body_timeout_s=0.2)
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/embeddings",
+        "raw_path": b"/v1/embeddings",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+    def run(second: dict | None) -> list[dict]:
+        sent, parts = [], [{"type": "http.request", "body": b'{"input": "the', "more_body": True}]
+
+        async def receive():
+            if parts:
+                return parts.pop()
+            if second is None:
+                await asyncio.sleep(WAIT)  # half a body, then nothing
+            return second
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), WAIT))
+        return sent
+
+    assert run(None)[0]["status"] == 408
+    with caplog.at_level(logging.INFO, logger="unimae.serving.app"):
+        assert run({"type": "http.disconnect"})[0]["status"] == 499
+    records = [r for r in caplog.records if r.name == "unimae.serving.app"]
+    assert [(r.levelno, r.exc_info) for r in records] == [(logging.INFO, None)], records
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_langchain_openai_drives_the_server(tiny_sources, kind):
+    langchain_openai = pytest.importorskip(
+        "langchain_openai", reason="langchain-openai is not installed (pip install 'unimae[dev]')"
+    )
+    import socket
+
+    import uvicorn
+
+    app = _app(kind, tiny_sources)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}/v1"
+        embeddings = langchain_openai.OpenAIEmbeddings(
+            model="tiny", base_url=base, api_key="none", check_embedding_ctx_length=False, chunk_size=4
+        )
+        vectors = embeddings.embed_documents(SENTENCES[:6])
+        assert len(vectors) == 6 and len(embeddings.embed_query("a dog")) == len(vectors[0])
+        chat = langchain_openai.ChatOpenAI(
+            model="tiny", base_url=base, api_key="none", max_tokens=4, temperature=0, stream_usage=True
+        )
+        chunks = list(chat.stream("hi"))
+        total = chunks[0]
+        for chunk in chunks[1:]:
+            total = total + chunk
+        assert total.usage_metadata is not None and total.usage_metadata["output_tokens"] >= 1
+    finally:
+        server.should_exit = True
+        thread.join(WAIT)
