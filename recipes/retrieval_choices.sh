@@ -10,6 +10,7 @@
 #   plain       UniMAE start, no prompts, no Matryoshka, temperature 0.05 (the old recipe's stage)
 #   prompts     + the query prompt on asymmetric sources (QUERY_PROMPT; SYMMETRIC sources take none)
 #   prompts-mrl + Matryoshka dimensions (MRL_DIMS)
+#   mrl         Matryoshka dimensions without the prompts (with `prompts`, separates the two changes)
 #   base-start  prompts-mrl without the UniMAE stage (the supervised LoRA on the base model)
 #   t0.02       prompts-mrl at temperature 0.02
 # Environment: MODEL, RUNS, OUT, PAIRS (the wiki inverse-cloze pairs; built if absent), STEPS, BATCH, CHUNK,
@@ -43,6 +44,7 @@ for variant in $VARIANTS; do
     plain) flags=() ;;
     prompts) flags=("${prompt_flags[@]}") ;;
     prompts-mrl) flags=("${prompt_flags[@]}" "${mrl_flags[@]}") ;;
+    mrl) flags=("${mrl_flags[@]}") ;;
     base-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=() ;;
     t0.02) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --temperature 0.02) ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
