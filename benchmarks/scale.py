@@ -412,6 +412,8 @@ def run(args: argparse.Namespace) -> dict:
     from unimae.retrieval.disk_index import _default_pq_m
 
     report = {"settings": {k: v for k, v in vars(args).items() if v is not None}, "cpu": cpu()}
+    if args.work_dir:
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         work = Path(tmp)
         if not args.skip_embed:
