@@ -13,7 +13,6 @@ directory (the folders of ``$UNIMAE_RELEASES``, ``:``-separated, are searched fi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -128,7 +127,3 @@ def card_scores(card: str) -> dict[str, float]:
                 if metric.get("type") == "main_score":
                     scores[name] = float(metric["value"])
     return scores
-
-
-def dump(obj) -> str:
-    return json.dumps(obj, indent=2)
