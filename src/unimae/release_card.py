@@ -139,15 +139,10 @@ embed queries and passages (the last-layer state at an appended EOS token) and g
 system needs one model instead of an encoder and an LLM. Trained with unimae (UniMAE, ACL 2025, and a supervised
 contrastive stage with a next-token term); weights stored in bf16.
 
-- Embedding: {spec.describe()}; cosine similarity; {_dim(meta)} dimensions.
+- Embedding: {spec.describe()}; cosine similarity; the base model's hidden size in dimensions.
 {prompts}- Matryoshka dimensions: {dims}.
 - Licence: the adapter follows its base model, {licence}; see the training data's licences below.
 """
-
-
-def _dim(meta: dict) -> str:
-    dims = meta.get("release", {}).get("hidden_size")
-    return str(dims) if dims else "the base model's hidden size"
 
 
 def _usage(name: str, meta: dict) -> str:
