@@ -17,7 +17,8 @@
 # sitting: SIGTERM the training (it writes its adapter at the step it reached), then `RELEASE_ONLY=1 bash
 # recipes/retrieval.sh` writes the release from that adapter and its last curve point.
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
-# START (none: the LoRA on the base model, a release is one LoRA; unimae: on top of the UniMAE stage), SUP_STEPS,
+# START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
+# the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
 # SUP_BATCH (256), SUP_CHUNK (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt), TEMPERATURE,
 # SUP_FLAGS (more flags), CURVE_EVERY (80), CURVE_MAX_LENGTH (256), STOP_EARLY (1), TASKS (dev; "" skips the
 # evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release).
@@ -34,7 +35,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 RELEASE=${RELEASE:-unimae-$MODEL-retriever}
 RELEASES=${RELEASES:-releases}
 SUP_RUN=${SUP_RUN:-retriever}
-START=${START:-none}
+START=${START:-unimae}
 SUP_STEPS=${SUP_STEPS:-560}
 SUP_BATCH=${SUP_BATCH:-256}
 SUP_CHUNK=${SUP_CHUNK:-32}
@@ -57,9 +58,11 @@ source "$(dirname "$0")/train_run.sh"
 
 run=$RUNS/$SUP_RUN
 init=()
-if [ "$START" = unimae ]; then
-  train_run "$RUNS/unimae" --model "$MODEL" --method unimae
-  init=(--init-adapter "$RUNS/unimae/adapter")
+if [ "$START" = unimae ]; then  # the UniMAE stage is needed only to start the supervised one afresh
+  if [ ! -d "$run/checkpoints" ] && [ ! -f "$run/adapter/adapter_config.json" ] && [ ! -f "$RELEASES/$RELEASE/unimae.json" ]; then
+    train_run "$RUNS/unimae" --model "$MODEL" --method unimae
+  fi
+  init=(--init-lora "$RUNS/unimae/adapter")
 fi
 # shellcheck disable=SC2206  # SUP_FLAGS is a word list on purpose
 sup_flags=(--model "$MODEL" --method contrastive "${init[@]}" --data "$files" --data-weights "$SUP_WEIGHTS"

@@ -11,7 +11,7 @@ import torch
 from conftest import post_embeddings, read_log
 from test_contrastive import _config, _method, _records, _write
 
-from unimae.adapter import adapter_meta, embedding_spec
+from unimae.adapter import adapter_meta, adapter_revision, embedding_spec
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.vectors import finish_embeddings
 from unimae.encoder import Encoder
@@ -238,3 +238,24 @@ def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_m
     assert cached.text == plain.text and cached.cached_tokens > 0
     prompt_ids = enc.tokenizer(QUERY + question, add_special_tokens=True)["input_ids"]
     assert cached.prompt_tokens >= len(prompt_ids) + 1  # the reused prefix holds the query prompt
+
+
+def test_init_lora_starts_one_lora_where_the_merged_stage_would(tiny_model_dirs, tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", _records(24))
+    tiny = tiny_model_dirs["llama"]
+    train(_config(tiny, data, tmp_path / "first", steps=2, lr=1e-2))
+    first = tmp_path / "first" / "adapter"
+    train(_config(tiny, data, tmp_path / "merged", steps=2, init_adapter=str(first)))
+    train(_config(tiny, data, tmp_path / "one", steps=2, init_lora=str(first)))
+    merged, one = read_log(tmp_path / "merged"), read_log(tmp_path / "one")
+    # step 1's loss is computed before any update: the same function, merged into fp32 weights or kept as LoRA
+    assert one[0]["loss"] == pytest.approx(merged[0]["loss"], rel=1e-5)
+    fresh = read_log(tmp_path / "first")
+    assert abs(one[0]["loss"] - fresh[0]["loss"]) > 1e-4  # ...and not the base model's
+    adapter = tmp_path / "one" / "adapter"
+    assert not (adapter / "init_adapter").exists()
+    assert adapter_meta(adapter)["init_lora"]["revision"] == adapter_revision(str(first))
+    with pytest.raises(ValueError, match="pass one"):
+        train(_config(tiny, data, tmp_path / "both", init_lora=str(first), init_adapter=str(first)))
+    with pytest.raises(FileNotFoundError, match="not an adapter folder"):
+        train(_config(tiny, data, tmp_path / "none", init_lora=str(tmp_path)))

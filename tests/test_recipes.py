@@ -93,7 +93,7 @@ def test_retrieval_recipe_trains_in_curve_steps_and_releases(tmp_path, start):
         "--lm-weight 0.1",
     ):
         assert all(flag in line for line in supervised)
-    assert all(("--init-adapter" in line) == (start == "unimae") for line in supervised)
+    assert all(("--init-lora" in line) == (start == "unimae") for line in supervised)  # one LoRA: releasable
     assert (start == "unimae") == any(f"--output-dir {runs / 'unimae'}" in line for line in trains)
     assert lines[-1].startswith("release --adapter") and "--name r" in lines[-1]
 
@@ -103,3 +103,4 @@ def test_retrieval_recipe_continues_from_the_release_on_a_fresh_machine(tmp_path
     trains = [line for line in lines if line.startswith("train")]
     assert trains[0].startswith(f"train --continue-adapter {tmp_path / 'releases' / 'r'} --output-dir")
     assert [line.split("--steps ")[1].split()[0] for line in trains] == ["160", "200"]  # 80 was held already
+    assert not any(f"--output-dir {tmp_path / 'runs' / 'unimae'}" in line for line in trains)  # the start is in it

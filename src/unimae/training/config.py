@@ -270,6 +270,15 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         default="",
         metadata={"help": "Start from this trained adapter (merged into the base), e.g. UniMAE then --method simcse."},
     )
+    init_lora: str = field(
+        default="",
+        metadata={
+            "help": "Start this run's LoRA from this trained adapter's LoRA weights (same r, alpha and target "
+            "modules; any method, from step 0), e.g. the UniMAE stage then --method contrastive: the two stages "
+            "stay one LoRA (a release is one), and the first stage's update is kept exact rather than merged "
+            "into bf16 weights as --init-adapter does."
+        },
+    )
     continue_adapter: str = field(
         default="",
         metadata={
@@ -406,6 +415,8 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         ):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if self.init_adapter and self.init_lora:
+            raise ValueError("--init-adapter and --init-lora are two ways to start from a stage: pass one")
         if self.init_adapter and Path(self.init_adapter).resolve().parent == Path(self.output_dir).resolve():
             raise ValueError(
                 f"--init-adapter {self.init_adapter} is inside --output-dir {self.output_dir}, which this run "

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from unimae.adapter import (
     INIT_ADAPTER,
     adapter_meta,
+    adapter_revision,
     attach_adapter,
     base_fingerprint,
     check_finite,
@@ -219,12 +220,15 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     precision = resolve_precision(config.precision, accelerator.device)
     model, tokenizer, model_path, fingerprint = _load_base(config, precision)
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
-    method = get_method(config.method)(config, Context(tokenizer, mask_id, embedding_spec(config.init_adapter or None)))
+    first_stage = config.init_adapter or config.init_lora or None
+    method = get_method(config.method)(config, Context(tokenizer, mask_id, embedding_spec(first_stage)))
     examples = method.load_data()
     objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()
     if state is not None:
         _restore(state, config, objective, fingerprint)
+    if config.init_lora and state is None and not config.continue_adapter:
+        _load_init_lora(config, objective, fingerprint)
     if config.continue_adapter and state is None:
         _load_continued(config, objective, fingerprint)
     params, optimizer, scheduler = _optimizer(config, method, objective)
@@ -292,27 +296,44 @@ def _with_continued_init(config: TrainConfig) -> TrainConfig:
 def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
     """Load ``--continue-adapter``'s LoRA weights into the fresh LoRA of this run, after checking that the adapter
     was trained on this base with this configuration (the same settings a ``--resume`` may not change)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
     source = Path(config.continue_adapter)
     meta = adapter_meta(source)
     if meta.get("base_fingerprint") != fingerprint:
         raise ValueError(f"--continue-adapter {source} was trained on another base model ({meta.get('base_model')})")
     saved, ours = meta.get("training_config", {}), config.to_dict()
-    free = _RESUME_MAY_CHANGE | {"continue_adapter", "init_adapter"}
+    free = _RESUME_MAY_CHANGE | {"continue_adapter", "init_adapter", "init_lora"}
     changed = [
         f"{k} {saved[k]!r} -> {ours[k]!r}" for k in sorted((saved.keys() & ours.keys()) - free) if saved[k] != ours[k]
     ]
     if changed:
         raise ValueError(f"--continue-adapter {source}: these settings differ from its run ({', '.join(changed)})")
+    _load_lora_weights(objective.llm, source, "--continue-adapter")
+
+
+def _load_init_lora(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
+    """``--init-lora``: this run's LoRA starts from that adapter's LoRA weights (trained on this base)."""
+    source = Path(config.init_lora)
+    if not (source / "adapter_model.safetensors").is_file():
+        raise FileNotFoundError(f"--init-lora {source} is not an adapter folder (no adapter_model.safetensors)")
+    meta = adapter_meta(source)
+    if meta.get("base_fingerprint") != fingerprint:
+        raise ValueError(f"--init-lora {source} was trained on another base model ({meta.get('base_model')})")
+    if meta.get("init_adapter") or (source / INIT_ADAPTER).exists():
+        raise ValueError(f"--init-lora {source} was trained on top of another adapter; start from one LoRA")
+    _load_lora_weights(objective.llm, source, "--init-lora")
+
+
+def _load_lora_weights(llm: torch.nn.Module, source: Path, flag: str) -> None:
+    """Copy ``source``'s LoRA weights into ``llm``'s (fp32); every LoRA weight must fit, or a clear error."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
     weights = load_file(source / "adapter_model.safetensors")
-    llm = objective.llm
     result = set_peft_model_state_dict(llm, {k: v.float() for k, v in weights.items()})
     keys = [*getattr(result, "unexpected_keys", []), *getattr(result, "missing_keys", [])]
     unfit = [k for k in keys if "lora_" in k]
     if unfit or not weights:
-        raise ValueError(f"--continue-adapter {source}: its weights do not fit this run's LoRA ({unfit[:3]})")
+        raise ValueError(f"{flag} {source}: its weights do not fit this run's LoRA ({unfit[:3]})")
 
 
 def _move_schedule(scheduler, step: int) -> None:
@@ -446,6 +467,7 @@ def _save_adapter(run: _Run, step: int) -> Path:
         mask_token=run.meta["mask_token"],
         method=config.method,
         init_adapter=INIT_ADAPTER if config.init_adapter else None,
+        **({"init_lora": {"revision": adapter_revision(config.init_lora)}} if config.init_lora else {}),
         training_config=config.to_dict(),
         **({"continued_from": {"step": continued_step(config)}} if config.continue_adapter else {}),
     )
