@@ -8,12 +8,21 @@ of ``--timeout`` s counts as an error) and the server's RSS: idle (after start-u
 embedding and one completion), peak (sampled every 0.2 s) and after (once the load has ended and the
 server's embedding queue has drained); and the machine's 1-minute load average before and after the load.
 
-``--mix hostile`` adds ONE more client that sends large embedding requests back to back: ``--big-inputs``
-(256) texts of ``--big-tokens`` (512) tokens each (longer texts, truncated by the server to its max length),
-among the ``--clients`` (15 by default here) normal ones. At the end of the run it abandons its request in
-flight (a client that gives up: the server must drop the rest of that work). The small embedding requests
-sent while a large one was in flight are reported on their own (``embeddings_during_large``). This mix runs
-the server part only and writes ``results/load-test.json`` unless ``--output`` says otherwise.
+``--mix hostile`` adds, among the ``--clients`` (15 by default here) normal ones, ONE client that sends large
+embedding requests back to back: ``--big-inputs`` (256) texts of ``--big-tokens`` (512) tokens each (longer
+texts, truncated by the server to its max length); at the end of the run it abandons its request in flight (a
+client that gives up: the server must drop the rest of that work). The small embedding requests sent while a
+large one was in flight are reported on their own (``embeddings_during_large``). Beside them run the hostile
+clients of ``hostile_clients.py``: single texts near and over ``--max-body-bytes`` (embeddings, completion,
+chat), malformed bodies, ``--half-sent`` connections that stall after half a body (the server's
+``--body-timeout-s`` must answer 408), ``--idle-connections`` kept alive after one request (closed by the
+server after ``--keep-alive-s``), ``--silent-connections`` that never send a byte, and a client that leaves
+each streamed completion after its first event. The server is started with those three limits. Reported
+against the targets (``targets``): the server's peak RSS during the load over its idle RSS (<= 1.5), errors
+(5xx, or a well-formed request dropped, timed out or not answered 200: 0) and the p99 latency of the small
+ordinary requests (the 1-4 sentence embeddings: <= 2 s); each hostile case's outcomes (``hostile``) and the
+tracebacks in the server's log. This mix runs the server part only and writes ``results/load-test.json`` unless
+``--output`` says otherwise.
 
 Part 2 (RAG): the same questions answered (a) by ONE model (SmolLM2 [EOS] embeddings retrieve, the same
 weights generate, reusing the query's KV cache) and (b) by TWO models (all-MiniLM-L6-v2 retrieves,
@@ -23,6 +32,12 @@ and peak RSS. Corpus: the held-out enwiki-gensim paragraphs (676).
 
     python benchmarks/load_test.py --adapter runs/unimae/adapter
     python benchmarks/load_test.py --mix hostile --duration 120
+
+Smoke test of the hostile mix (seconds, small limits; not a measurement):
+
+    python benchmarks/load_test.py --mix hostile --duration 15 --clients 2 --big-inputs 4 --big-tokens 64 \
+        --idle-connections 2 --silent-connections 1 --half-sent 1 --body-timeout-s 2 --keep-alive-s 1 \
+        --max-body-bytes 65536 --settle 0 --output /tmp/load-test-smoke.json
 """
 
 from __future__ import annotations
@@ -43,8 +58,10 @@ from pathlib import Path
 
 import httpx
 import psutil
+from hostile_clients import HostileClients, Limits, summarize
 
 from unimae.runtime.memory import cpu_model
+from unimae.serving.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,10 +72,11 @@ PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is"
 
 
 class PeakRSS:
-    """Samples the RSS of a process and its children every ``every`` seconds in a thread."""
+    """Samples the RSS of a process and its children every ``every`` seconds in a thread: ``peak`` since the start,
+    ``load_peak`` since :meth:`start_load`."""
 
     def __init__(self, pid: int, every: float = 0.2):
-        self.process, self.every, self.peak = psutil.Process(pid), every, 0
+        self.process, self.every, self.peak, self.load_peak = psutil.Process(pid), every, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -69,9 +87,15 @@ class PeakRSS:
         except psutil.Error:
             return 0
 
+    def start_load(self) -> int:
+        """Start ``load_peak`` from now; the RSS now."""
+        self.load_peak = self.now()
+        return self.load_peak
+
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
+            sample = self.now()
+            self.peak, self.load_peak = max(self.peak, sample), max(self.load_peak, sample)
             self._stop.wait(self.every)
 
     def __enter__(self):
@@ -122,8 +146,9 @@ def big_texts(texts: list[str], count: int, tokens: int) -> list[str]:
     return out
 
 
-async def run_clients(base: str, args, texts: list[str], large: list[str] | None) -> dict:
-    """``args.clients`` normal clients, and with ``large`` one client sending it as one request, back to back."""
+async def run_clients(base: str, args, texts: list[str], large: list[str] | None, limits: Limits | None = None) -> dict:
+    """``args.clients`` normal clients; with ``large`` one client sending it as one request, back to back; with
+    ``limits`` the hostile clients of ``hostile_clients.py`` (their outcomes in ``hostile``)."""
     records: list[tuple[str, float, float]] = []  # (route, start, end) of each request answered 200
     errors: list[str] = []
     abandoned: list[tuple[float, float]] = []  # (start, end) of large requests given up at the deadline
@@ -159,12 +184,21 @@ async def run_clients(base: str, args, texts: list[str], large: list[str] | None
             except asyncio.TimeoutError:  # the run is over: give up on it, as an impatient client would
                 abandoned.append((start, time.perf_counter()))
 
-    async with httpx.AsyncClient(timeout=args.timeout) as http:
+    others = None
+    if limits is not None:
+        host, port = base.removeprefix("http://").split(":")
+        counts = {"idle": args.idle_connections, "silent": args.silent_connections, "half_sent": args.half_sent}
+        others = HostileClients(host, int(port), limits, texts, deadline, counts, args.hostile_pause)
+    async with (
+        httpx.AsyncClient(timeout=args.timeout) as http,
+        httpx.AsyncClient(base_url=base, timeout=args.timeout) as own,  # the hostile ones' own connections
+    ):
         start = time.perf_counter()
         clients = [client(http) for _ in range(args.clients)]
-        await asyncio.gather(*clients, *([hostile(http)] if large else []))
+        await asyncio.gather(*clients, *([hostile(http)] if large else []), *(others.coroutines(own) if others else []))
         wall = time.perf_counter() - start
-    return {"records": records, "errors": errors, "abandoned": abandoned, "wall": wall}
+    outcomes = others.outcomes if others else []
+    return {"records": records, "errors": errors, "abandoned": abandoned, "wall": wall, "hostile": outcomes}
 
 
 def route_stats(records: list[tuple[str, float, float]], route: str, during=None) -> dict:
@@ -191,13 +225,38 @@ def warm_up(base: str) -> None:
 
 
 def drained(base: str, limit_s: float = 300) -> dict:
-    """Wait until the server's embedding queue is empty; its /health counters (empty for an older server)."""
+    """Wait until the server's embedding queue is empty; its /health (without counters for an older server)."""
     deadline = time.monotonic() + limit_s
     while True:
-        stats = httpx.get(f"{base}/health", timeout=30).json().get("embeddings", {})
-        if stats.get("waiting_requests", 0) == 0 or time.monotonic() > deadline:
-            return stats
+        health = httpx.get(f"{base}/health", timeout=30).json()
+        if health.get("embeddings", {}).get("waiting_requests", 0) == 0 or time.monotonic() > deadline:
+            return health
         time.sleep(0.5)
+
+
+def log_summary(text: str) -> dict:
+    """The server's log: lines, tracebacks and ERROR lines (the first few of them)."""
+    lines = text.splitlines()
+    errors = [line for line in lines if line.startswith(("ERROR", "CRITICAL"))]
+    return {
+        "lines": len(lines),
+        "tracebacks": sum(line.startswith("Traceback") for line in lines),
+        "error_lines": len(errors),
+        "error_samples": [line[:300] for line in errors[:5]],
+    }
+
+
+def targets(peak_over_idle: float | None, errors: int, small_p99: float | None) -> dict:
+    """The hostile mix's targets (issue 44) and whether this run met them."""
+    out = {
+        "load_peak_over_idle_rss": {"target": "<= 1.5", "value": peak_over_idle},
+        "errors": {"target": "== 0", "value": errors},
+        "small_requests_p99_s": {"target": "<= 2.0", "value": small_p99},
+    }
+    out["load_peak_over_idle_rss"]["met"] = peak_over_idle is not None and peak_over_idle <= 1.5
+    out["errors"]["met"] = errors == 0
+    out["small_requests_p99_s"]["met"] = small_p99 is not None and small_p99 <= 2.0
+    return out
 
 
 def server_load_test(args) -> dict:
@@ -217,31 +276,39 @@ def server_load_test(args) -> dict:
     ]
     if args.adapter:
         cmd += ["--adapter", args.adapter]
+    limits = large = None
+    if args.mix == "hostile":
+        limits = Limits(args.max_body_bytes, ServerConfig.max_inputs, args.body_timeout_s, args.keep_alive_s)
+        cmd += ["--max-body-bytes", str(limits.max_body_bytes), "--body-timeout-s", str(limits.body_timeout_s)]
+        cmd += ["--keep-alive-s", str(limits.keep_alive_s)]
     cmd += args.server_args
     texts = sentences(Path(args.data_dir))
-    large = big_texts(texts, args.big_inputs, args.big_tokens) if args.mix == "hostile" else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if args.mix == "hostile":
+        large = big_texts(texts, args.big_inputs, args.big_tokens)
+    log = tempfile.TemporaryFile("w+")  # read, not piped: a pipe nobody reads stalls a server that logs a lot
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         with PeakRSS(proc.pid) as rss:
             started = time.perf_counter()
             while True:
                 if proc.poll() is not None:
-                    raise SystemExit(f"server exited: {proc.stderr.read()}")
+                    log.seek(0)
+                    raise SystemExit(f"server exited: {log.read()[-4000:]}")
                 try:
                     if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.5)
             startup = time.perf_counter() - started
-            idle_rss = rss.now()
+            idle_rss = rss.start_load()
             warm_up(base)
             warm_rss = rss.now()
             load_start = os.getloadavg()[0]
-            result = asyncio.run(run_clients(base, args, texts, large))
+            result = asyncio.run(run_clients(base, args, texts, large, limits))
             load_end = os.getloadavg()[0]
             drain_start = time.perf_counter()
-            counters = drained(base)
+            health = drained(base)
             drain = time.perf_counter() - drain_start
             time.sleep(args.settle)  # the batcher hands memory back once its queue is empty
             after_rss = rss.now()
@@ -252,6 +319,9 @@ def server_load_test(args) -> dict:
         except subprocess.TimeoutExpired:  # a worker thread still embedding an abandoned request
             proc.kill()
             proc.wait()
+        log.seek(0)
+        server_log = log_summary(log.read())
+        log.close()
     records = result["records"]
     routes = {route: route_stats(records, route) for route in ("embeddings", "completions")}
     if large is not None:
@@ -274,18 +344,38 @@ def server_load_test(args) -> dict:
         "error_samples": result["errors"][:5],
         "idle_rss_gb": round(idle_rss / 1e9, 3),
         "warm_rss_gb": round(warm_rss / 1e9, 3),
-        "peak_rss_gb": round(rss.peak / 1e9, 3),
+        "peak_rss_gb": round(rss.peak / 1e9, 3),  # from the start, model loading included
+        "load_peak_rss_gb": round(rss.load_peak / 1e9, 3),  # from idle on: warm-up and load
+        "load_peak_over_idle_rss": round(rss.load_peak / idle_rss, 2) if idle_rss else None,
         "after_rss_gb": round(after_rss / 1e9, 3),
         "after_over_idle_rss": round(after_rss / idle_rss, 2) if idle_rss else None,
         "after_over_warm_rss": round(after_rss / warm_rss, 2) if warm_rss else None,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": {"start": round(load_start, 2), "end": round(load_end, 2)},
         "drain_s": round(drain, 1),
-        "server_embedding_counters": counters,
+        "server_embedding_counters": health.get("embeddings", {}),
+        "server_generation_counters": health.get("generations"),
+        "server_log": server_log,
     }
     if large is not None:
         out["large_request"] = {"inputs": args.big_inputs, "tokens_each": args.big_tokens}
         out["large_abandoned_after_s"] = [round(end - start, 1) for start, end in result["abandoned"]]
+    if limits is not None:
+        hostile = summarize(result["hostile"])
+        out["hostile_limits"] = {k: getattr(limits, k) for k in limits.__dataclass_fields__}
+        out["hostile_clients"] = {
+            "idle_connections": args.idle_connections,
+            "silent_connections": args.silent_connections,
+            "half_sent": args.half_sent,
+            "pause_s": args.hostile_pause,
+        }
+        out["hostile"] = hostile
+        out["errors"] += hostile["errors"]  # a 5xx or a dropped request among the hostile ones too
+        out["error_samples"] = (out["error_samples"] + hostile["error_samples"])[:10]
+        out["small_requests"] = routes["embeddings"]  # the ordinary 1-4 sentence embedding requests
+        small_p99 = routes["embeddings"]["p99_s"]
+        out["targets"] = targets(out["load_peak_over_idle_rss"], out["errors"], small_p99)
     return out
 
 
@@ -415,6 +505,19 @@ def main() -> None:
     parser.add_argument("--big-inputs", type=int, default=256, help="Texts per large request (--mix hostile).")
     parser.add_argument("--big-tokens", type=int, default=512, help="Tokens per large text (--mix hostile).")
     parser.add_argument("--settle", type=float, default=2.0, help="Seconds idle before the after-run RSS.")
+    hostile = parser.add_argument_group("--mix hostile: the hostile clients and the server limits they probe")
+    hostile.add_argument("--idle-connections", type=int, default=32, help="Connections idle after one request.")
+    hostile.add_argument("--silent-connections", type=int, default=8, help="Connections that never send a byte.")
+    hostile.add_argument("--half-sent", type=int, default=4, help="Connections that stall after half a body.")
+    hostile.add_argument("--hostile-pause", type=float, default=1.0, help="Seconds between long/malformed/leave.")
+    hostile.add_argument("--body-timeout-s", type=float, default=10.0, help="The server's --body-timeout-s.")
+    hostile.add_argument("--keep-alive-s", type=float, default=5.0, help="The server's --keep-alive-s.")
+    hostile.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=ServerConfig.max_body_bytes,
+        help="The server's --max-body-bytes; the long texts are just under and just over it.",
+    )
     parser.add_argument(
         "--server-arg",
         dest="server_args",

@@ -250,3 +250,130 @@ def test_a_nan_embedding_is_a_clear_error_not_a_500_nor_nan_bytes(tiny_model_dir
         error = response.json()["error"]
         assert error["code"] == "non_finite_embedding" and error["param"] == "input"
         assert "NaN or infinite embedding for input[1] (1 of 2 inputs)" in error["message"]
+
+
+def test_pick_token_refuses_nan_scores_and_keeps_a_minus_inf_mask():
+    import torch
+
+    from unimae.generation.sampling import GenerationParams, NonFiniteLogitsError, pick_token
+
+    greedy, sampled = GenerationParams(), GenerationParams(temperature=1.0, seed=0)
+    masked = torch.tensor([[0.5, -float("inf"), 2.0, -float("inf")]])  # (1, V)
+    assert pick_token(masked, greedy, None) == 2
+    assert pick_token(masked, sampled, torch.Generator().manual_seed(0)) in (0, 2)
+    for bad in ([[0.5, float("nan"), 2.0]], [[0.5, float("inf"), 2.0]], [[-float("inf")] * 3]):
+        for params in (greedy, sampled):
+            with pytest.raises(NonFiniteLogitsError, match="non-finite next-token scores"):
+                pick_token(torch.tensor(bad), params, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("batching", ["continuous", "threads"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_weights_make_completions_a_clear_422_not_a_500_nor_garbage(tiny_model_dirs, batching, temperature, caplog):
+    """Before: greedy answered 200 with the tokens at the NaNs' positions; sampling answered 500 (``probability
+    tensor contains either inf, nan``) with a traceback in the log. Now: 422 ``non_finite_logits`` in the body or in
+    the stream, one ERROR line, no traceback."""
+    import asyncio
+    import json
+    import logging
+
+    import httpx
+    import torch
+
+    from unimae.serving.app import create_app
+
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=32)
+    with torch.no_grad():
+        for weight in encoder.model.parameters():
+            weight.fill_(float("nan"))
+    config = ServerConfig(model_name="tiny", continuous_batching=batching == "continuous")
+    app = create_app(encoder, config)
+    engine = app.state.server.engine
+    sampling = {"max_tokens": 4, "temperature": temperature}
+    chat = {"messages": [{"role": "user", "content": "the dog ran"}], **sampling}
+
+    async def main():
+        engine.start()
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+                plain = await http.post("/v1/completions", json={"prompt": "the cat sat", **sampling})
+                chatted = await http.post("/v1/chat/completions", json=chat)
+                streamed = await http.post("/v1/completions", json={"prompt": "the cat", "stream": True, **sampling})
+        finally:
+            await engine.stop()
+        return plain, chatted, streamed
+
+    with caplog.at_level(logging.INFO):
+        plain, chatted, streamed = asyncio.run(main())
+    for response in (plain, chatted):
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["code"] == "non_finite_logits" and "non-finite next-token scores" in error["message"]
+    assert streamed.status_code == 200  # the headers went before the first token
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "non_finite_logits", events
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert sum("a generation stopped" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 3
+
+
+def _read_response(sock) -> int:
+    """The status of the next HTTP/1.1 response on ``sock`` (its body read whole, by its Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        assert part, f"the server closed the connection mid-response: {data!r}"
+        data += part
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ")[1])
+
+
+def test_keep_alive_reuses_a_connection_within_the_timeout_and_closes_it_after(tiny_model_dirs, monkeypatch):
+    """``unimae serve --keep-alive-s`` reaches uvicorn: a second request within the timeout is answered on the same
+    connection; the connection, idle, is then closed by the server, not before the timeout and not never."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    keep_alive = 6.0  # over uvicorn's own default (5 s): a timeout that did not reach uvicorn fails the lower bound
+    wait = 60  # a guard against a hang, never an ordering device
+    servers: list[uvicorn.Server] = []
+
+    def run(app, **options):  # uvicorn.run with the options `unimae serve` passes, on a server the test can stop
+        servers.append(uvicorn.Server(uvicorn.Config(app, **options)))
+        servers[-1].run()
+
+    monkeypatch.setattr("uvicorn.run", run)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", "--port", str(port)]
+    thread = threading.Thread(target=main, args=([*argv, "--keep-alive-s", str(keep_alive)],), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + wait
+        while not (servers and servers[0].started):
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=wait) as conn:
+            conn.sendall(request)
+            assert _read_response(conn) == 200
+            conn.sendall(request)  # at once: well within the timeout
+            assert _read_response(conn) == 200  # answered on the same connection
+            idle_from = time.monotonic()
+            assert conn.recv(1) == b"", "the server sent something on an idle connection"  # blocks until it closes
+            idle = time.monotonic() - idle_from
+        assert keep_alive - 0.1 <= idle < wait, idle
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        thread.join(wait)
+    assert not thread.is_alive()

@@ -2,7 +2,9 @@
 
 Named as in the OpenAI API. Sampling divides by the temperature, keeps the smallest set of tokens whose
 probability reaches ``top_p`` (as transformers' ``TopPLogitsWarper``) and draws from a ``torch.Generator``
-seeded with ``params.seed``: a seeded request is reproducible and leaves the global RNG alone.
+seeded with ``params.seed``: a seeded request is reproducible and leaves the global RNG alone. Logits
+with a NaN or no finite maximum (damaged weights, an overflow) raise :class:`NonFiniteLogitsError` rather
+than give a token: greedy would pick the NaN's position, and a draw would fail inside ``torch.multinomial``.
 """
 
 from __future__ import annotations
@@ -43,13 +45,25 @@ class GenerationParams:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model gave NaN or infinite next-token scores: no token can be picked from them."""
+
+
 def pick_token(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> int:
-    """The next token from last-position ``logits`` (1, V): argmax, or a temperature / top-p draw."""
+    """The next token from last-position ``logits`` (1, V): argmax, or a temperature / top-p draw.
+    :class:`NonFiniteLogitsError` if a score is NaN or the top one is infinite (-inf scores below a finite top
+    are a mask, kept)."""
     scores = logits.float()  # (1, V)
+    top = scores.max(-1, keepdim=True)  # (1, 1) value and index; a NaN anywhere makes the value NaN
+    if not torch.isfinite(top.values).all():
+        raise NonFiniteLogitsError(
+            f"the model gave non-finite next-token scores (top score {top.values.item()}): its weights are "
+            "damaged or overflow on this prompt"
+        )
     if params.temperature == 0:
-        return int(scores.argmax(-1))
+        return int(top.indices)
     # shifted so the top score is 0 before dividing: a tiny temperature then gives -inf scores, never inf - inf
-    scores = (scores - scores.max(-1, keepdim=True).values) / params.temperature
+    scores = (scores - top.values) / params.temperature
     if params.top_p < 1:
         ordered, order = torch.sort(scores, descending=False)  # (1, V) ascending
         drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p

@@ -21,7 +21,7 @@ Where things are: the routes in ``routes/`` (one router per group), the state th
 generation slots in ``slots.py``, continuous batching of generations in ``scheduler.py``, the model lock in
 ``model_lock.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key, body-size and
 body-timeout guard in ``guard.py``. This module builds the app from them and turns every exception into the
-error body; a client that leaves mid-request is one INFO line.
+error body; a client that leaves mid-request is one INFO line, a generation stopped by NaN scores a 422.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from unimae.encoder import Encoder
+from unimae.generation.sampling import NonFiniteLogitsError
 from unimae.retrieval.index import VectorIndex
 from unimae.serving.config import ServerConfig
 from unimae.serving.engine import Engine
 from unimae.serving.guard import RequestGuard
 from unimae.serving.routes import completions, embeddings, meta, rag
-from unimae.serving.schemas import APIError
+from unimae.serving.schemas import APIError, non_finite_logits
 from unimae.serving.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def create_app(
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnect, client_left)
+    app.add_exception_handler(NonFiniteLogitsError, nan_logits)
     app.add_exception_handler(Exception, unexpected_error)
     for routes in (meta, embeddings, completions, rag):
         app.include_router(routes.router)
@@ -94,6 +96,12 @@ async def client_left(request: Request, err: ClientDisconnect) -> JSONResponse:
     """The client closed the connection while its request body was read: one line, no traceback."""
     logger.info("client left during %s %s", request.method, request.url.path)
     return JSONResponse(APIError(499, "the client closed the connection").body(), status_code=499)
+
+
+async def nan_logits(request: Request, err: NonFiniteLogitsError) -> JSONResponse:
+    """A generation stopped by NaN or infinite scores (damaged weights): a 422 naming the cause, no traceback."""
+    error = non_finite_logits(err)
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 async def unexpected_error(request: Request, err: Exception) -> JSONResponse:

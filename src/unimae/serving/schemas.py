@@ -6,7 +6,7 @@ Only what unimae serves is accepted; unknown fields are ignored as OpenAI client
 that UTF-8 cannot encode (JSON allows a lone UTF-16 surrogate such as ``"\\ud800"``; the tokenizer and the
 response encoder do not) is a 400 naming its field, wherever it is in the body. An embedding the model gave as
 NaN or infinite is never sent (as a 500 from the JSON encoder, or as NaN bytes in base64): it is a 422 naming
-the input and the cause.
+the input and the cause; so is a generation whose next-token scores are NaN or infinite.
 """
 
 from __future__ import annotations
@@ -278,6 +278,18 @@ def check_finite_vectors(vectors: np.ndarray) -> None:
             "input",
             "non_finite_embedding",
         )
+
+
+def non_finite_logits(err: Exception) -> APIError:
+    """422 for a generation the model's NaN or infinite next-token scores stopped (``NonFiniteLogitsError``),
+    logged for the operator in one line, as a NaN embedding is."""
+    logger.error("a generation stopped: %s", err)
+    return APIError(
+        422,
+        f"{err}; the generation stopped. If every prompt fails, the server's model or adapter needs to be loaded again",
+        None,
+        "non_finite_logits",
+    )
 
 
 def models_body(model: str) -> dict:

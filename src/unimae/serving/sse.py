@@ -17,7 +17,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 
-from unimae.serving.schemas import APIError
+from unimae.generation.sampling import NonFiniteLogitsError
+from unimae.serving.schemas import APIError, non_finite_logits
 from unimae.serving.slots import GenerationSlots
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ async def sse_events(
                     yield sse_frame(one)
     except APIError as err:
         yield sse_frame(err.body())
+    except NonFiniteLogitsError as err:  # damaged weights: the cause, not a traceback
+        yield sse_frame(non_finite_logits(err).body())
     except Exception as err:  # the 200 is already sent: report in the stream, end it properly
         logger.exception("generation failed mid-stream")
         yield sse_frame(APIError(500, f"generation failed: {type(err).__name__}").body())
