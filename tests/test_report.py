@@ -182,6 +182,92 @@ def test_rag_source_lists_the_benchmark_entries(root):
     assert run(root, doc) == 2
 
 
+def test_values_in_prose_quote_a_json_path_or_a_named_tables_cell(root, capsys):
+    """Inline values: a JSON path, a cell of a named table (before or after it), arithmetic with a format."""
+    (root / "results" / "speed.json").write_text(json.dumps({"engine": {"tok_s": [39.06144, 63.7787]}, "cpu": "EPYC"}))
+    table = "<!-- report: results/dev/summary.json\nname: dev\n-->"
+    prose = (
+        "Tuned leads by <!-- value: #dev tuned Avg. - #dev base Avg. :+.1f -->0<!-- /value --> points "
+        "(<!-- value: #dev tuned Avg. -->?<!-- /value -->, STS <!-- value: #dev tuned STS -->?<!-- /value -->).\n"
+        "Speed <!-- value: results/speed.json engine tok_s 0 :.1f -->1.0<!-- /value --> tokens/s on "
+        "<!-- value: results/speed.json cpu -->?<!-- /value -->, "
+        "<!-- value: results/speed.json engine tok_s 0 / results/speed.json engine tok_s -1 :.0% -->?<!-- /value -->"
+        " of the other; `<!-- value: #dev base Avg. -->in code<!-- /value -->` is left alone.\n"
+    )
+    doc = root / "doc.md"
+    after = "After: <!-- value: #dev base Avg. --><!-- /value -->\n"
+    doc.write_text(prose + "\n" + table + "\n<!-- /report -->\n\n" + after)
+    assert run(root, doc, "--check") == 1
+    out = capsys.readouterr().out
+    assert "doc.md:1: value '#dev tuned Avg. - #dev base Avg. :+.1f' ('0' -> '+25.0') is stale" in out
+    assert run(root, doc) == 0
+    text = doc.read_text()
+    assert text.startswith(
+        "Tuned leads by <!-- value: #dev tuned Avg. - #dev base Avg. :+.1f -->+25.0<!-- /value --> points "
+        "(<!-- value: #dev tuned Avg. -->75.00<!-- /value -->, STS <!-- value: #dev tuned STS -->75.00<!-- /value -->)."
+    )
+    assert "Speed <!-- value: results/speed.json engine tok_s 0 :.1f -->39.1<!-- /value --> tokens/s on " in text
+    assert "<!-- value: results/speed.json cpu -->EPYC<!-- /value -->, " in text
+    assert ":.0% -->61%<!-- /value --> of the other; `<!-- value: #dev base Avg. -->in code<!-- /value -->`" in text
+    assert text.endswith("After: <!-- value: #dev base Avg. -->50.00<!-- /value -->\n")
+    assert run(root, doc, "--check") == 0  # idempotent
+
+    # A changed JSON makes the quoted numbers stale, as it does the table.
+    (root / "results" / "speed.json").write_text(json.dumps({"engine": {"tok_s": [42.0, 63.7787]}, "cpu": "EPYC"}))
+    assert run(root, doc, "--check") == 1
+    assert run(root, doc) == 0
+    assert "tok_s 0 :.1f -->42.0<!-- /value -->" in doc.read_text()
+
+
+@pytest.mark.parametrize(
+    ("spec", "shown"),
+    [
+        ("#dev tuned Avg. - #dev base Avg. / 100 :.1f", "74.5"),  # * and / before + and -
+        ("( #dev tuned Avg. - #dev base Avg. ) / 100 :.2f", "0.25"),
+        ("max results/runs.json rounds [] tok_s :.1f", "41.0"),  # [] takes every item, a function reduces them
+        ("median results/runs.json rounds [] tok_s / min results/runs.json rounds [] tok_s :.0%", "120%"),
+        ("sum results/runs.json seconds / 60 :.1f", "2.0"),  # an object's values
+        ('#gen tuned "arc_easy acc / acc_norm" 1', "25.0"),  # one number of a cell that shows two
+    ],
+)
+def test_value_arithmetic_functions_and_cells(root, spec, shown):
+    rounds = {"rounds": [{"tok_s": 30.0}, {"tok_s": 36.0}, {"tok_s": 41.0}], "seconds": {"a": 50, "b": 70}}
+    (root / "results" / "runs.json").write_text(json.dumps(rounds))
+    doc = root / "doc.md"
+    tables = (
+        "<!-- report: results/dev/summary.json\nname: dev\n-->\n<!-- /report -->\n\n"
+        "<!-- report: generation\nrows: {tuned: results/gen/tuned/generation.json}\nname: gen\n-->\n<!-- /report -->\n"
+    )
+    doc.write_text(f"{tables}\nIt is <!-- value: {spec} -->?<!-- /value -->.\n")
+    assert run(root, doc) == 0
+    assert doc.read_text().endswith(f"It is <!-- value: {spec} -->{shown}<!-- /value -->.\n")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("#nope base Avg.", "no table named 'nope'"),
+        ("#dev nobody Avg.", "has no row 'nobody'"),
+        ("#dev base Retr.", "has no column 'Retr.'"),
+        ("#dev base Avg. - #dev tuned Avg.", "end it with a format"),
+        ("results/dev/summary.json base tasks Nope", "has no 'Nope' under ['base', 'tasks']"),
+        ("results/dev/absent.json base", "absent.json does not exist"),
+        ("results/dev/summary.json base tasks SICK-R - :.1f", "empty operand"),
+        ("results/dev/summary.json base missing :.1f", "is not a number"),
+        ("( #dev base Avg. - 1 :.1f", "misses a ')'"),
+        ("#dev base Avg. / 0 :.1f", "divides by zero"),
+        ("#dev base Avg. :.1x", "format ':.1x' does not apply"),
+    ],
+)
+def test_bad_values_name_the_file_line_and_fix(root, capsys, value, message):
+    doc = root / "doc.md"
+    table = "<!-- report: results/dev/summary.json\nname: dev\n-->\n<!-- /report -->\n"
+    doc.write_text(f"{table}\nA value: <!-- value: {value} -->1<!-- /value -->\n")
+    assert run(root, doc, "--check") == 2
+    err = capsys.readouterr().err
+    assert "doc.md:6:" in err and message in err
+
+
 def test_markers_inside_prose_or_indented_are_not_tables(root):
     doc = root / "doc.md"
     text = "Write `<!-- report: x.json -->` to add one:\n\n    <!-- report: x.json -->\n    <!-- /report -->\n"

@@ -108,9 +108,10 @@ class Encoder:
         rule comes from the adapter unless ``attention`` is given (None: the adapter's).
 
         ``merge``: fold the LoRA update into the weights (in fp32, then cast to the run precision), so
-        inference runs plain matmuls (about 2x faster on CPU for short texts). The default (None) merges
-        except in bf16: in fp32 the merge is exact; rounding ``W + dW`` to bf16 loses part of the small update
-        ``dW`` (on the dev suite it cost UniMAE 0.5 points on average), while unmerged bf16 keeps ``dW`` apart as
+        inference runs plain matmuls (faster on CPU: ``benchmarks/embed_adapter.py`` measures both). The default
+        (None) merges except in bf16: in fp32 the merge is exact; rounding ``W + dW`` to bf16 loses part of the
+        small update ``dW`` (on the dev suite it lowered the first UniMAE adapter's scores; docs/results.md,
+        "Merged vs unmerged adapter"), while unmerged bf16 keeps ``dW`` apart as
         in training. The int8 precisions merge in fp32 and then quantize ``W + dW`` (int8 adds the same rounding
         noise to ``W`` unmerged, which the adapter was not trained against either; ``int8-decode`` embeds with
         the exact fp32 merge). ``merge=True`` trades bf16's exactness for speed (e.g. ``unimae serve --merge``);

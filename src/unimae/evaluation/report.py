@@ -1,6 +1,7 @@
-"""Regenerate the results tables of the README and ``docs/*.md`` from the JSONs under ``results/``.
+"""Regenerate the results tables of the README and ``docs/*.md``, and the numbers their prose quotes, from
+the JSONs under ``results/``.
 
-Every generated table sits between a marker pair; nothing outside the pairs is touched::
+Every generated table and number sits between a marker pair; nothing outside the pairs is touched::
 
     <!-- report: results/dev-smollm2/table1.json -->
 
@@ -34,23 +35,55 @@ options. Paths are relative to the repository root. Sources:
     models, index build time, seconds per question, retrieval acc@1 and peak RSS. ``file`` names another
     JSON of the same layout.
 
-Every source also takes ``caption``, a line printed under the table. For example::
+Every source also takes ``caption``, a line printed under the table, and ``name``, a word by which the
+numbers quoted in the prose of the same file refer to the table's cells (below). For example::
 
     <!-- report: results/dev-gemma3
     labels: [base-mean, base-bidirectional-mean]
     tasks: [STSBenchmark, SICK-R, STS17]
     names: {base-mean: base-mean (causal)}
+    name: bidir
     -->
 
-``python -m unimae.evaluation.report`` rewrites the tables in place; ``--check`` rewrites nothing,
-lists every stale table and exits 1 (``tests/test_report.py`` runs it over the repository).
+**Numbers in prose.** A number a sentence quotes is generated too, from an inline pair on one line::
+
+    UniMAE scores <!-- value: #dev unimae-eos Avg. -->56.31<!-- /value --> on the dev suite.
+
+The text between the pair is rewritten; the SPEC after ``value:`` is a space-separated expression (quote
+words that hold spaces). Its operands:
+
+``PATH.json KEY ...``
+    The value at that path of a JSON file (keys of objects, indexes of lists), e.g.
+    ``results/speed.json unimae tok_s_1``. The key ``[]`` takes every item of a list or object, e.g.
+    ``results/speed.json unimae rounds [] single tok_s``; such a list is a number only through a function.
+``FUNCTION PATH.json KEY ...``
+    ``sum``, ``mean``, ``median``, ``min`` or ``max`` of the numbers at that path (a list or an object's values).
+``#NAME ROW COLUMN [N]``
+    A cell of the table that the marker named ``NAME`` generates in the same file, as the table shows it:
+    ROW is the text of the row's first cell, COLUMN a header; ``N`` picks one number of a cell that shows
+    several (``59.2 / 54.3``, ``51.51 ± 0.45``; counted from 0).
+``NUMBER``
+    A constant, e.g. ``100``.
+
+Operands are joined by ``+``, ``-``, ``*`` or ``/`` (the usual precedence; ``(`` and ``)``, as words of their own,
+group), e.g. the lead of one row over another: ``#dev unimae-eos Avg. - #dev base-echo Avg. :.1f``, or an accuracy
+difference in points: ``( A.json results piqa acc,none - B.json results piqa acc,none ) * 100 :+.1f``. A last
+word starting with ``:`` is a Python format spec (``:.1f``, ``:+.1f``, ``:,.0f``, ``:.0%``); without one a single
+operand is shown as its table cell or JSON value is, and an expression is an error. Markers inside code
+(backticks, fenced blocks) are left alone.
+
+``python -m unimae.evaluation.report`` rewrites the tables and values in place; ``--check`` rewrites
+nothing, lists every stale table and value and exits 1 (``tests/test_report.py`` runs it over the repository).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import operator
 import re
+import shlex
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +99,11 @@ from unimae.files import read_json
 OPEN = re.compile(r"^<!--\s*report:(?P<spec>.*?)-->", re.DOTALL | re.MULTILINE)
 CLOSE = "<!-- /report -->"
 CLOSE_LINE = re.compile(r"^<!-- /report -->", re.MULTILINE)
-SUMMARY_OPTIONS = {"labels", "tasks", "exclude", "names", "columns", "caption"}
-AVERAGES_OPTIONS = {"rows", "columns", "caption"}
-GENERATION_OPTIONS = {"rows", "tasks", "average", "caption"}
-RAG_OPTIONS = {"entries", "file", "caption"}
+COMMON_OPTIONS = {"caption", "name"}
+SUMMARY_OPTIONS = {"labels", "tasks", "exclude", "names", "columns"} | COMMON_OPTIONS
+AVERAGES_OPTIONS = {"rows", "columns"} | COMMON_OPTIONS
+GENERATION_OPTIONS = {"rows", "tasks", "average"} | COMMON_OPTIONS
+RAG_OPTIONS = {"entries", "file"} | COMMON_OPTIONS
 RAG_FILE = "results/rag-benchmark.json"
 # RAG benchmark entry key -> column header, in column order.
 RAG_COLUMNS = {
@@ -91,6 +125,13 @@ GENERATION_METRICS = {
     "bits_per_byte": ("bits per byte", False),
 }
 DEFAULT_FILES = ("README.md", "docs/*.md")
+# An inline value: the pair and the text between them on one line.
+VALUE = re.compile(r"<!--\s*value:(?P<spec>[^\n]*?)-->(?P<text>[^\n]*?)<!--\s*/value\s*-->")
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+FUNCTIONS = {"sum": sum, "mean": statistics.fmean, "median": statistics.median, "min": min, "max": max}
+# A number shown in a table cell ("59.2 / 54.3", "75.00*", "51.51 ± 0.45"), not one inside a word ("k=1").
+CELL_NUMBER = re.compile(r"(?<![\w.=])-?\d+(?:\.\d+)?(?![\w.])")
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 
 
 class ReportError(ValueError):
@@ -110,6 +151,38 @@ class Marker:
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
+
+    @property
+    def what(self) -> str:
+        return f"table from '{self.source}'"
+
+
+@dataclass
+class Value:
+    """One inline value pair; the generated number is ``text[start:end]``."""
+
+    path: Path
+    line: int
+    spec: str
+    start: int
+    end: int
+    old: str = ""
+    new: str = ""
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
+    def what(self) -> str:
+        return f"value '{self.spec}' ('{self.old}' -> '{self.new}')"
+
+
+@dataclass
+class Table:
+    """A generated table's header and rows as shown, for the values that quote its cells."""
+
+    header: list[str]
+    rows: dict[str, list[str]]
 
 
 def find_markers(path: Path, text: str) -> list[Marker]:
@@ -148,6 +221,9 @@ def render(marker: Marker, root: Path) -> str:
     if unknown:
         raise ReportError(f"{marker.where()}: unknown report option(s) {unknown}; this source takes {sorted(kind)}")
     _check_lists(marker.options, marker)
+    name = marker.options.get("name")
+    if name is not None and not (isinstance(name, str) and re.fullmatch(r"[\w.-]+", name)):
+        raise ReportError(f"{marker.where()}: report option 'name' must be one word, e.g. 'name: dev'")
     table = build(marker, root)
     caption = marker.options.get("caption")
     return f"\n\n{table}\n\n" + (f"{caption}\n\n" if caption else "")
@@ -320,16 +396,221 @@ NAMED_SOURCES = {
 }
 
 
-def update(path: Path, root: Path, write: bool) -> list[Marker]:
-    """Regenerate every table of ``path``; return the stale markers (rewritten when ``write``)."""
+def parse_table(markdown: str) -> Table:
+    """The header and the rows (keyed by their first cell) of the Markdown table in ``markdown``."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    header, *rows = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in lines]
+    return Table(header, {row[0]: row for row in rows})
+
+
+def find_values(path: Path, text: str, skip: list[tuple[int, int]]) -> list[Value]:
+    """Every inline value pair of ``text`` outside the ``skip`` ranges, fenced code and inline code."""
+    skip = skip + [match.span() for match in FENCE.finditer(text)]
+    values = []
+    for match in VALUE.finditer(text):
+        line_start = text.rfind("\n", 0, match.start()) + 1
+        in_code = text.count("`", line_start, match.start()) % 2 == 1
+        if in_code or any(start <= match.start() < end for start, end in skip):
+            continue
+        line = text.count("\n", 0, match.start()) + 1
+        spec = match.group("spec").strip()
+        values.append(Value(path, line, spec, match.start("text"), match.end("text"), match.group("text")))
+    return values
+
+
+def evaluate(value: Value, tables: dict[str, Table], root: Path) -> str:
+    """The text of ``value``: its SPEC evaluated (module docstring) and formatted."""
+    where = value.where()
+    try:
+        words = shlex.split(value.spec)
+    except ValueError as err:
+        raise ReportError(f"{where}: value '{value.spec}' does not split into words ({err})") from err
+    spec = words.pop() if words and words[-1].startswith(":") else None
+    if not words:
+        raise ReportError(f"{where}: value '{value.spec}' names nothing; e.g. '#dev unimae-eos Avg.'")
+    if spec is None:
+        if any(word in OPERATORS or word in "()" for word in words):
+            raise ReportError(f"{where}: value '{value.spec}' computes a number; end it with a format such as ':.1f'")
+        return _operand(words, tables, root, where, as_text=True)
+    result = _calculate(words, lambda operand: _number(_operand(operand, tables, root, where), where), value)
+    try:
+        return format(result, spec[1:])
+    except (TypeError, ValueError) as err:
+        raise ReportError(f"{where}: value format '{spec}' does not apply to {result!r} ({err})") from err
+
+
+def _calculate(words: list[str], number, value: Value) -> float:
+    """``words`` as arithmetic (``+ - * /``, the usual precedence, spaced ``( )``); ``number`` reads an operand."""
+    position = 0
+
+    def fail(what: str) -> ReportError:
+        return ReportError(
+            f"{value.where()}: value '{value.spec}' {what}; write e.g. '( #t a Avg. - #t b Avg. ) * 100'"
+        )
+
+    def peek() -> str | None:
+        return words[position] if position < len(words) else None
+
+    def expression() -> float:
+        nonlocal position
+        result = term()
+        while peek() in ("+", "-"):
+            position += 1
+            result = OPERATORS[words[position - 1]](result, term())
+        return result
+
+    def term() -> float:
+        nonlocal position
+        result = factor()
+        while peek() in ("*", "/"):
+            position += 1
+            op, right = words[position - 1], factor()
+            if op == "/" and right == 0:
+                raise fail("divides by zero")
+            result = OPERATORS[op](result, right)
+        return result
+
+    def factor() -> float:
+        nonlocal position
+        if peek() == "(":
+            position += 1
+            result = expression()
+            if peek() != ")":
+                raise fail("misses a ')'")
+            position += 1
+            return result
+        start = position
+        while peek() is not None and peek() not in OPERATORS and peek() not in ("(", ")"):
+            position += 1
+        if start == position:
+            raise fail("has an empty operand")
+        return number(words[start:position])
+
+    result = expression()
+    if position != len(words):
+        raise fail(f"has {words[position]!r} where an operator belongs")
+    return result
+
+
+def _operand(words: list[str], tables: dict[str, Table], root: Path, where: str, as_text: bool = False):
+    """One operand of a value's SPEC: a table cell's number, a JSON value or a constant."""
+    first, keys = words[0], words[1:]
+    if first in FUNCTIONS and keys and keys[0].endswith(".json"):
+        data = _json_path(_json_at(root / keys[0], where), keys[1:], f"{where}: {keys[0]}")
+        numbers = [_number(number, where) for number in _flatten(data)]
+        if not numbers:
+            raise ReportError(f"{where}: {' '.join(words)!r} has no numbers to take the {first} of")
+        result = FUNCTIONS[first](numbers)
+        return str(result) if as_text else result
+    if first.startswith("#"):
+        return _cell(first[1:], keys, tables, where)
+    if first.endswith(".json"):
+        data = _json_path(_json_at(root / first, where), keys, f"{where}: {first}")
+        return str(data) if as_text else data
+    if len(words) == 1:
+        try:
+            return first if as_text else float(first)
+        except ValueError:
+            pass
+    raise ReportError(
+        f"{where}: value operand {' '.join(words)!r} is not '#TABLE ROW COLUMN', '[FUNCTION] PATH.json KEY ...' "
+        "or a number"
+    )
+
+
+def _json_path(data, keys: list[str], where: str):
+    """The value at ``keys`` in ``data`` (object keys, list indexes; ``[]``: every item, as a list)."""
+    for depth, key in enumerate(keys):
+        if key == "[]" and isinstance(data, dict | list):
+            items = data.values() if isinstance(data, dict) else data
+            return [_json_path(item, keys[depth + 1 :], where) for item in items]
+        if isinstance(data, dict) and key in data:
+            data = data[key]
+        elif isinstance(data, list) and re.fullmatch(r"-?\d+", key) and -len(data) <= int(key) < len(data):
+            data = data[int(key)]
+        else:
+            there = sorted(data)[:20] if isinstance(data, dict) else f"{type(data).__name__} {str(data)[:40]}"
+            raise ReportError(f"{where} has no {key!r} under {keys[:depth]}; there: {there}")
+    return data
+
+
+def _flatten(data) -> list:
+    """The leaves of nested lists and objects, in order."""
+    if isinstance(data, dict):
+        data = list(data.values())
+    if not isinstance(data, list):
+        return [data]
+    return [leaf for item in data for leaf in _flatten(item)]
+
+
+def _cell(name: str, keys: list[str], tables: dict[str, Table], where: str) -> str:
+    if name not in tables:
+        raise ReportError(
+            f"{where}: no table named {name!r} in this file (add 'name: {name}' to its marker); named: {sorted(tables)}"
+        )
+    if len(keys) not in (2, 3) or (len(keys) == 3 and not keys[2].isdigit()):
+        raise ReportError(f"{where}: a table cell is '#{name} ROW COLUMN [N]' (quote words with spaces), got {keys}")
+    table, (row, column) = tables[name], keys[:2]
+    if row not in table.rows:
+        raise ReportError(f"{where}: table {name!r} has no row {row!r}; rows: {list(table.rows)}")
+    if column not in table.header:
+        raise ReportError(f"{where}: table {name!r} has no column {column!r}; columns: {table.header}")
+    cell = table.rows[row][table.header.index(column)]
+    numbers = CELL_NUMBER.findall(cell)
+    index = int(keys[2]) if len(keys) == 3 else None
+    if index is None and len(numbers) != 1 or index is not None and index >= len(numbers):
+        raise ReportError(f"{where}: cell {row!r} / {column!r} of {name!r} is {cell!r}; pick one of its numbers with N")
+    return numbers[index or 0]
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ReportError(f"{where}: {value!r} is not a number")
+    try:
+        return float(value)
+    except ValueError as err:
+        raise ReportError(f"{where}: {value!r} is not a number") from err
+
+
+@functools.cache
+def _read_json_cached(path: Path, mtime_ns: int, size: int):
+    """A result file read once per version (a doc quotes the same file many times)."""
+    return read_json(path, "result file")
+
+
+def _json_at(path: Path, where: str):
+    if not path.is_file():
+        raise ReportError(f"{where}: {path} does not exist; fix the path (relative to the repository root)")
+    try:
+        stat = path.stat()
+        return _read_json_cached(path, stat.st_mtime_ns, stat.st_size)
+    except ValueError as err:
+        raise ReportError(f"{where}: {err}") from err
+
+
+def update(path: Path, root: Path, write: bool) -> list[Marker | Value]:
+    """Regenerate every table and value of ``path``; return the stale ones (rewritten when ``write``)."""
     text = path.read_text()
+    markers = find_markers(path, text)
+    fresh = {id(marker): render(marker, root) for marker in markers}
+    tables: dict[str, Table] = {}
+    for marker in markers:
+        name = marker.options.get("name")
+        if name in tables:
+            raise ReportError(f"{marker.where()}: a second table named {name!r}; names are unique within a file")
+        if name is not None:
+            tables[name] = parse_table(fresh[id(marker)])
+    values = find_values(path, text, [(marker.body_start, marker.body_end) for marker in markers])
+    for value in values:
+        value.new = evaluate(value, tables, root)
+    spans = [(m.body_start, m.body_end, fresh[id(m)], m) for m in markers]
+    spans += [(v.start, v.end, v.new, v) for v in values]
     stale, pieces, position = [], [], 0
-    for marker in find_markers(path, text):
-        fresh = render(marker, root)
-        if text[marker.body_start : marker.body_end] != fresh:
-            stale.append(marker)
-        pieces += [text[position : marker.body_start], fresh]
-        position = marker.body_end
+    for start, end, new, item in sorted(spans, key=lambda span: span[0]):
+        if text[start:end] != new:
+            stale.append(item)
+        pieces += [text[position:start], new]
+        position = end
     if stale and write:
         path.write_text("".join(pieces) + text[position:])
     return stale
@@ -344,13 +625,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m unimae.evaluation.report",
         description="Regenerate the results tables between '<!-- report: ... -->' and '<!-- /report -->' "
-        "markers from the JSONs under results/.",
+        "markers, and the values between '<!-- value: ... -->' and '<!-- /value -->', from the JSONs under results/.",
     )
     parser.add_argument("files", nargs="*", type=Path, help="Markdown files (default: README.md and docs/*.md).")
     parser.add_argument(
         "--root", type=Path, default=Path("."), help="Repository root; marker paths are relative to it."
     )
-    parser.add_argument("--check", action="store_true", help="Rewrite nothing; exit 1 if any table is stale.")
+    parser.add_argument("--check", action="store_true", help="Rewrite nothing; exit 1 if any table or value is stale.")
     args = parser.parse_args(argv)
     files = args.files or doc_files(args.root)
     absent = [str(path) for path in files if not path.is_file()]
@@ -362,9 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    for marker in stale:
+    for item in stale:
         verb = "is stale" if args.check else "regenerated"
-        print(f"{marker.where()}: table from '{marker.source}' {verb}")
+        print(f"{item.where()}: {item.what} {verb}")
     if stale and args.check:
         print("run `python -m unimae.evaluation.report` (or `make docs`) and commit the result", file=sys.stderr)
         return 1

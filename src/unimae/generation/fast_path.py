@@ -7,11 +7,12 @@ precisions (``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`), which r
 
 * for Llama-family models (chosen by ``config.model_type`` in :data:`LEAN_MODEL_TYPES`) the one-token steps
   run :class:`LlamaStep`, a flat loop over the layers with the same operations on the same modules
-  (bit-identical logits in fp32; a bf16 step attends in fp32, about 5x faster than PyTorch's bf16 SDPA for
-  one query on a CPU); other architectures (Gemma3: sliding windows, extra norms) take the model's forward;
+  (bit-identical logits in fp32; a bf16 step attends in fp32, faster than PyTorch's bf16 SDPA for one query
+  on a CPU: :func:`~unimae.generation.kv_cache.one_query_attention`); other architectures (Gemma3: sliding
+  windows, extra norms) take the model's forward;
 * under bf16 autocast on a CPU, linear layers in decode steps run on copies of their weights that
   oneDNN packed once for single-row inputs (q/k/v and gate/up stacked): bit-identical to ``F.linear``
-  under autocast and about twice as fast for one row (SmolLM2 shapes). The copies cost about the bf16
+  under autocast and faster for one row (``benchmarks/generation.py`` measures decoding). The copies cost about the bf16
   weights' size again, made at the first bf16 generation. fp32 keeps ``F.linear`` (MKL is fast there).
   What this takes: :func:`packed_linears` replaces ``forward`` on every plain ``nn.Linear`` of the model
   (computing as before outside a packed step), and the packed copies live in module-level state

@@ -46,7 +46,8 @@ class PreallocatedLayer(DynamicLayer):
     attention sees the tensors it would see. ``dtype``: the dtype the cache stores (default: the first keys'
     own). :class:`~unimae.generation.fast_path.LlamaStep` stores a bf16 model's cache in fp32 and reads it with
     :meth:`append` (no cast): its attention runs in fp32 (see :func:`one_query_attention`), and casting the
-    whole cache up at every step and layer cost about 1 ms of a 24 ms SmolLM2 step (130 positions). Storing
+    whole cache up at every step and layer was a measurable part of a decode step (``benchmarks/generation.py``
+    measures decoding; docs/results.md, "Speed on a quiet machine", has the timing). Storing
     fp32 copies of bf16 values is exact, so the numbers are those of a bf16 cache; the memory is twice as much.
     A layer of a :class:`KVPool` stores into the pool's tensors (:meth:`bind`) instead of its own.
     """
@@ -164,10 +165,10 @@ class KVPool:
     one values tensor ``(slots, H_kv, capacity, D)`` in ``dtype``; a generation's cache is a slot, its
     :class:`PreallocatedLayer` s bound to ``[slot : slot + 1]`` views.
 
-    Why: with a cache per row, an 8-row SmolLM2 step spent about 7 of its 38 ms in 240 attention calls (30
-    layers x 8 rows) and more in their appends, slicing and concatenations (bf16, AMD EPYC, 2 threads);
-    pooled, a layer writes the rows' new keys with one indexed copy and attends over them in one call
-    (an 8-row step 31-33 ms; docs/results.md, "Speed on a quiet machine").
+    Why: with a cache per row, an 8-row SmolLM2 step made 240 attention calls (30 layers x 8 rows) and as
+    many appends, slices and concatenations; pooled, a layer writes the rows' new keys with one indexed copy
+    and attends over them in one call. ``benchmarks/generation.py`` measures the 8-stream rate this serves;
+    docs/results.md ("Speed on a quiet machine") has the step timings.
 
     Growth: a slot for each generation (slots double when none is free), the capacity of the longest one
     rounded up to a power of two (at least 64); growing copies what is written and rebinds the live caches,
@@ -338,9 +339,9 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """softmax(q K^T * scale) V for one new position: q (1, H, 1, hd), keys / values (1, H_kv, T, hd) ->
     (1, H, 1, hd) in q's dtype.
 
-    Half-precision inputs are computed in fp32, autocast off: PyTorch 2.13's CPU SDPA takes 5-8x longer
-    in bf16 than in fp32 for one query (SmolLM2 shapes, one core: 160-240 us against 32 us at 128 cached
-    positions, 1.4 ms against 0.17 ms at 1,024), which made attention half of an 8-row decode step. fp32
+    Half-precision inputs are computed in fp32, autocast off: PyTorch 2.13's CPU SDPA takes several times
+    longer in bf16 than in fp32 for one query (SmolLM2 shapes; timings in docs/results.md, "Speed on a quiet
+    machine"), which made attention a large part of an 8-row decode step (``benchmarks/generation.py``). fp32
     is also the more exact of the two, so a bf16 step's logits differ from the model's own bf16 forward by
     rounding only (the prefill, embeddings and Gemma3's steps keep the model's attention).
     """

@@ -5,8 +5,8 @@ Where a call's log-probabilities (N x V in fp32) would take more than ``recomput
 checkpointing), so the peak memory is one chunk of logits, not the whole batch's: at 262k vocabulary and
 2k rows that is the difference between ~2 GB and ~0.5 GB per chunk of 512 rows. Below it the chunks keep
 their log-probabilities for the backward pass instead: the same numbers, one output-head matmul fewer per
-row (SmolLM2's default recipe, 49k vocabulary and at most 1,024 rows per loss: 200 MB kept; training step
-1.12x, benchmarks/train_step.py, docs/results.md).
+row (SmolLM2's default recipe, 49k vocabulary and at most 1,024 rows per loss: 200 MB kept; the training
+step's speed: benchmarks/train_step.py, docs/results.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """Process-level CPU tuning for long PyTorch jobs.
 
 glibc returns every large (> 32 MB) allocation to the OS with ``munmap`` and maps it again on the
-next step; a training step allocates hundreds of such tensors (logit chunks, activations), so a
-sixth of the time went to page faults. Raising the mmap and trim thresholds keeps those blocks
-in the heap for reuse: measured on SmolLM2-135M, one 8x128 UniMAE micro-batch went from 4.7 s
-to 4.0 s and system time from 9.7 s to 2.1 s (benchmarks/README.md).
+next step; a training step allocates hundreds of such tensors (logit chunks, activations), so much
+of its time went to page faults. Raising the mmap and trim thresholds keeps those blocks in the heap
+for reuse, which cut a UniMAE step's system time sharply (``benchmarks/train_step.py`` measures a step;
+benchmarks/README.md).
 
 The price is that freed memory stays in the process: with many differently sized blocks (Gemma-3's
-262k-token output head) the heap fragments and the resident size grows step after step (measured:
-Gemma-3-270M UniMAE was killed by the OOM killer at 24 GB after 47 steps). :func:`release_if_above`
+262k-token output head) the heap fragments and the resident size grows step after step (a Gemma-3-270M
+UniMAE run was killed by the OOM killer). :func:`release_if_above`
 hands the free pages back (``malloc_trim``); the trainer calls it after a step only when the process
-holds more than a quarter of the machine's memory, so small runs pay nothing. Measured on Gemma-3-270M
-(AMD EPYC, 2 cores): trimming after every step kept the resident size between steps at 1.4 GB (peaks
-within a step 8.5-9.5 GB), the loss curve unchanged and the step time about the same (19-20 s).
+holds more than a quarter of the machine's memory, so small runs pay nothing. On Gemma-3-270M, trimming
+after every step kept the resident size between steps near its start, the loss curve unchanged and the
+step time about the same (``benchmarks/train_step.py --models gemma3-270m`` reports the step time and
+peak RSS).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def release_free_memory() -> bool:
     plus page faults when the memory is used again): True if any were (False off glibc).
 
     The server's embedding batcher calls it when its queue drains after a large batch (a server that has just
-    embedded one large request would otherwise keep that memory for good: RSS 1.1 -> 2.4 GB, and it stayed).
+    embedded one large request would otherwise keep that memory for good; ``benchmarks/load_test.py --mix
+    hostile`` reports the server's RSS idle and after the run).
     """
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))

@@ -3,15 +3,11 @@
 PyTorch's CPU kernels run on OpenMP (libgomp in the torch wheel). After a parallel region a worker
 spins for ``GOMP_SPINCOUNT`` iterations before it sleeps, so the next region starts without a wake-up.
 A 135M model's decode step is a few hundred small regions (a linear layer each, attention), so this
-wait decides much of its speed (SmolLM2-135M bf16, 2-core AMD EPYC, ms per token on one stream):
-
-====================================  =========  ======================================
-                                      idle CPU   CPUs shared with a 2-thread job
-====================================  =========  ======================================
-libgomp default spin (300,000)          23-25     95-700 (spinning on a descheduled peer)
-``GOMP_SPINCOUNT=10000`` (our default)  24-25     111-115
-throttled or passive (no spinning)      31-38     33-40
-====================================  =========  ======================================
+wait decides much of its speed. On an idle CPU, libgomp's default spin (300,000 iterations) and our
+``GOMP_SPINCOUNT=10000`` decode equally fast and a throttled or passive wait (no spinning) is clearly
+slower; on CPUs shared with another job the default spin is by far the slowest (it spins on a descheduled
+peer). ``benchmarks/generation.py`` measures the decode rate; the timings behind this choice are in
+docs/results.md ("Speed on a quiet machine", the OpenMP bullet).
 
 libgomp *throttles* the spin to 100 iterations whenever it manages more threads than there are CPUs:
 on a 2-core machine, as soon as two threads of a process have each run a parallel region (each gets its

@@ -6,7 +6,7 @@ cores (each with its own OpenMP team, oversubscribed); one after the other, each
 
 :meth:`ModelLock.run` also runs the work on the lock's own thread, the same one every time: when two threads
 of a process have run OpenMP work, libgomp stops spinning between parallel regions and a 135M model's decode
-step gets about 1.4x slower on an idle 2-core machine (see :mod:`unimae.runtime.threads`). Every forward of the
+step gets slower even on an idle 2-core machine (see :mod:`unimae.runtime.threads`). Every forward of the
 server goes through :meth:`run` (the warm-up, RAG's query pass and any other included).
 
 The lock is FIFO (a ticket lock): the thread that asked first gets the model next. A plain ``threading.Lock``

@@ -111,7 +111,8 @@ class ContrastiveOptions:
         default=0,
         metadata={
             "help": "contrastive with --lm-weight: the next-token loss on the first N positives of each batch only "
-            "(0: all); the output head over a 262k vocabulary makes all 256 of a batch cost about 1.4x the step."
+            "(0: all); the output head over a 262k vocabulary makes scoring all 256 of a batch costly "
+            "(docs/methods.md)."
         },
     )
     query_prompt: str = field(
@@ -335,7 +336,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
     lora_r: int = field(default=16, metadata={"help": "LoRA rank (paper: 16)."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (paper: 32)."})
     lora_dropout: float = field(
-        default=0.0, metadata={"help": "LoRA dropout (paper: not stated; 0 saves ~18% of a CPU step)."}
+        default=0.0, metadata={"help": "LoRA dropout (paper: not stated; 0 makes a CPU step faster)."}
     )
     lora_target_modules: str = field(
         default="all-linear", metadata={"help": "peft target_modules: attention and MLP projections."}
@@ -348,7 +349,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
         "corrupted",
         ("corrupted", "clean"),
         "Text h_eos is computed from for MRC: 'corrupted' (Eq. 2: the one MAR pass) or 'clean' (a second pass over "
-        "the uncorrupted text; a diagnostic for the train/inference mismatch, about 1.6x the step time).",
+        "the uncorrupted text; a diagnostic for the train/inference mismatch, a second forward pass per step).",
     )
     mrc_positions: str = choice_field(
         "scaled",
