@@ -5,15 +5,15 @@ Each kind runs from the start of the load to its end and records every request o
 
 - ``long``: texts near and over the server's limits, one request at a time (``pause`` s apart): one string of
   nearly ``max_body_bytes`` to /v1/embeddings (200: truncated to ``--max-length`` tokens), the same string as
-  a completion prompt and as a chat message (400: it fills the context), a body just over ``max_body_bytes``
+  a completion prompt and as a chat message (400: longer than the context), a body just over ``max_body_bytes``
   (413) and one input more than ``--max-inputs`` (400).
 - ``malformed``: bodies that are no request (cut JSON, not an object, a wrong type, bytes that are not UTF-8,
   100k nested brackets, a lone surrogate, an infinite max_tokens): a 4xx each.
 - ``half_sent``: headers announcing a body, half of it, then nothing: 408 within ``body_timeout_s``.
 - ``idle``: a connection that makes one request (200), then stays idle: closed by the server within
   ``keep_alive_s``; then a new one.
-- ``silent``: a connection that never sends a byte: it should be closed as an idle one is (uvicorn starts its
-  keep-alive timer only after a response, so it may be held until the run ends: ``held``, or ``closed_late``).
+- ``silent``: a connection that never sends a byte: closed by the server within ``header_timeout_s`` (a server
+  without that timeout holds it until the run ends: ``held``, or ``closed_late``).
 - ``leave``: a streamed completion read to its first event, then closed (a client that leaves mid-stream; the
   server's /health ``generations.cancelled`` counts them).
 
@@ -76,6 +76,7 @@ class Limits:
     max_inputs: int
     body_timeout_s: float
     keep_alive_s: float
+    header_timeout_s: float
     margin_s: float = 5.0  # lateness tolerated before a connection counts as held
 
 
@@ -211,7 +212,7 @@ class HostileClients:
                 continue
             reader, writer = connection
             start = time.perf_counter()
-            got = await self._closed_within(reader, self.limits.keep_alive_s + self.limits.margin_s)
+            got = await self._closed_within(reader, self.limits.header_timeout_s + self.limits.margin_s)
             if got == "held":  # and for how long: up to the end of the run
                 got = "closed_late" if await self._closed_within(reader, self.left()) == "closed" else "held"
             self._record("silent", "connected_sending_nothing", "closed", got, start)

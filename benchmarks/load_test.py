@@ -16,8 +16,9 @@ large one was in flight are reported on their own (``embeddings_during_large``).
 clients of ``hostile_clients.py``: single texts near and over ``--max-body-bytes`` (embeddings, completion,
 chat), malformed bodies, ``--half-sent`` connections that stall after half a body (the server's
 ``--body-timeout-s`` must answer 408), ``--idle-connections`` kept alive after one request (closed by the
-server after ``--keep-alive-s``), ``--silent-connections`` that never send a byte, and a client that leaves
-each streamed completion after its first event. The server is started with those three limits. Reported
+server after ``--keep-alive-s``), ``--silent-connections`` that never send a byte (closed after
+``--header-timeout-s``), and a client that leaves each streamed completion after its first event. The server is
+started with those four limits. Reported
 against the targets (``targets``): the server's peak RSS during the load over its idle RSS (<= 1.5), errors
 (5xx, or a well-formed request dropped, timed out or not answered 200: 0) and the p99 latency of the small
 ordinary requests (the 1-4 sentence embeddings: <= 2 s); each hostile case's outcomes (``hostile``) and the
@@ -37,7 +38,7 @@ Smoke test of the hostile mix (seconds, small limits; not a measurement):
 
     python benchmarks/load_test.py --mix hostile --duration 15 --clients 2 --big-inputs 4 --big-tokens 64 \
         --idle-connections 2 --silent-connections 1 --half-sent 1 --body-timeout-s 2 --keep-alive-s 1 \
-        --max-body-bytes 65536 --settle 0 --output /tmp/load-test-smoke.json
+        --header-timeout-s 2 --max-body-bytes 65536 --settle 0 --output /tmp/load-test-smoke.json
 """
 
 from __future__ import annotations
@@ -278,9 +279,11 @@ def server_load_test(args) -> dict:
         cmd += ["--adapter", args.adapter]
     limits = large = None
     if args.mix == "hostile":
-        limits = Limits(args.max_body_bytes, ServerConfig.max_inputs, args.body_timeout_s, args.keep_alive_s)
+        limits = Limits(
+            args.max_body_bytes, ServerConfig.max_inputs, args.body_timeout_s, args.keep_alive_s, args.header_timeout_s
+        )
         cmd += ["--max-body-bytes", str(limits.max_body_bytes), "--body-timeout-s", str(limits.body_timeout_s)]
-        cmd += ["--keep-alive-s", str(limits.keep_alive_s)]
+        cmd += ["--keep-alive-s", str(limits.keep_alive_s), "--header-timeout-s", str(limits.header_timeout_s)]
     cmd += args.server_args
     texts = sentences(Path(args.data_dir))
     if args.mix == "hostile":
@@ -512,6 +515,7 @@ def main() -> None:
     hostile.add_argument("--hostile-pause", type=float, default=1.0, help="Seconds between long/malformed/leave.")
     hostile.add_argument("--body-timeout-s", type=float, default=10.0, help="The server's --body-timeout-s.")
     hostile.add_argument("--keep-alive-s", type=float, default=5.0, help="The server's --keep-alive-s.")
+    hostile.add_argument("--header-timeout-s", type=float, default=10.0, help="The server's --header-timeout-s.")
     hostile.add_argument(
         "--max-body-bytes",
         type=int,

@@ -35,6 +35,23 @@ CHAT_TEMPLATE = (
 )
 
 
+class RecordingTokenizer:
+    """A tokenizer that remembers the longest text it was called with (everything else is the tokenizer's)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text, **kwargs):
+        self.longest = max([self.longest, *map(len, [text] if isinstance(text, str) else text)])
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+
 def build_tokenizer(add_bos: bool, with_mask: bool, with_pad: bool = True):
     """A byte-level BPE over ``SENTENCES``; ``<pad>`` is always in the vocabulary (same ids either way),
     but only declared the pad token when ``with_pad``."""

@@ -2,15 +2,18 @@
 are not UTF-8, damaged files, folders that cannot be written, a full disk and API keys no client can send are
 each one sentence (exit code 2), never a traceback; a NaN embedding is never a 500 or NaN bytes on the wire."""
 
+import contextlib
 import errno
 import io
 import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SENTENCES, build_tokenizer, post_embeddings
+from conftest import SENTENCES, RecordingTokenizer, build_tokenizer, post_embeddings
 
 import unimae.embedding.pooling
 import unimae.embedding.tokenization
@@ -19,6 +22,7 @@ from unimae.cli.embed import read_texts
 from unimae.embedding.pooling import build_inputs
 from unimae.embedding.tokenization import TextTooLongWarning, char_budget
 from unimae.encoder import Encoder
+from unimae.generation.prompt import prompt_ids
 from unimae.models import resolve_model_path
 from unimae.serving.config import ServerConfig
 
@@ -47,28 +51,11 @@ def _build(pooling: str, tokenizer, texts: list[str], options: dict):
         return build_inputs(pooling, tokenizer, texts, MAX_LENGTH, **options)
 
 
-class _Recording:
-    """A tokenizer that remembers the longest text it was called with."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.longest = tokenizer, 0
-
-    def __call__(self, text, **kwargs):
-        self.longest = max([self.longest, *map(len, [text] if isinstance(text, str) else text)])
-        return self.tokenizer(text, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def __len__(self) -> int:
-        return len(self.tokenizer)
-
-
 @pytest.mark.parametrize("pooling", POOLINGS)
 def test_the_tokenizer_never_sees_more_of_a_text_than_max_length_needs(arch, pooling):
     """Before: every text was tokenized whole and cut afterwards (a 50 MB line peaked at 7.7 GB)."""
     tokenizer = _tokenizer(arch)
-    recording = _Recording(tokenizer)
+    recording = RecordingTokenizer(tokenizer)
     inputs = _build(pooling, recording, [*HOSTILE, "short"], _options(tokenizer, pooling))
     assert recording.longest <= char_budget(tokenizer, MAX_LENGTH + 2) < 1000
     assert len(inputs) == len(HOSTILE) + 1 and all(len(item.ids) <= MAX_LENGTH + 1 for item in inputs)
@@ -105,6 +92,66 @@ def test_eos_ids_match_the_uncut_tokenization_rule(arch):
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         ids = ids[:-1] if ids and ids[-1] == eos else ids
         assert item.ids == ids[: MAX_LENGTH - 1] + [eos]
+
+
+@pytest.mark.parametrize("limit", [8, 40])
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_prompt_ids_are_the_whole_prompts_within_the_limit_and_read_no_further_beyond(arch, limit, chat):
+    """A generation prompt (plain, or through the chat template) of at most ``limit`` tokens gets exactly the ids
+    of the whole text; a longer one more than ``limit`` ids, its text read only to the char budget of limit + 1
+    tokens. Before: every prompt was tokenized whole (a 4 MB prompt: +0.63 GB and 4.7 s before its 400)."""
+    tokenizer = _tokenizer(arch)
+    recording = RecordingTokenizer(tokenizer)
+    cut = char_budget(tokenizer, limit + 1)
+    words = " ".join(SENTENCES * 3).split()
+    texts = [source[:n] for source in HOSTILE for n in range(max(cut - 60, 1), cut + 61, 3)]
+    texts += [" ".join(words[:k]) for k in range(1, 3 * limit)] + HOSTILE  # fits, fits exactly, one token over ...
+    for text in texts:
+        whole = prompt_ids(tokenizer, text, chat=chat)
+        bounded = prompt_ids(recording, text, limit, chat=chat)
+        if len(whole) <= limit:
+            assert bounded == whole, text[:80]
+        else:
+            assert len(bounded) > limit, text[:80]
+    assert recording.longest <= cut
+
+
+def test_unimae_generate_refuses_a_prompt_over_the_context(tiny_model_dirs, monkeypatch, capsys):
+    """The CLI shares the bounded prompt: a prompt over the model's context (512) is one sentence naming it."""
+    load, recordings = Encoder.from_pretrained, []
+
+    def recorded(*args, **kwargs):
+        encoder = load(*args, **kwargs)
+        encoder.tokenizer = RecordingTokenizer(encoder.tokenizer)
+        recordings.append(encoder.tokenizer)
+        return encoder
+
+    monkeypatch.setattr(Encoder, "from_pretrained", recorded)
+    prompt = " ".join(SENTENCES) * 400  # about 200k characters, thousands of tokens
+    assert main(["generate", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", prompt]) == 2
+    err = capsys.readouterr().err
+    assert "unimae generate: error: the prompt is longer than the model's context of 512 tokens" in err, err
+    assert "Traceback" not in err
+    assert recordings[0].longest <= char_budget(recordings[0].tokenizer, 512 + 1) < len(prompt) // 10
+
+
+def test_nan_weights_in_unimae_generate_are_one_sentence_not_a_traceback(tiny_model_dirs, monkeypatch, capsys):
+    """Before: ``unimae generate`` with damaged (NaN) weights printed the NonFiniteLogitsError's traceback."""
+    import torch
+
+    load = Encoder.from_pretrained
+
+    def damaged(*args, **kwargs):
+        encoder = load(*args, **kwargs)
+        with torch.no_grad():
+            for weight in encoder.model.parameters():
+                weight.fill_(float("nan"))
+        return encoder
+
+    monkeypatch.setattr(Encoder, "from_pretrained", damaged)
+    assert main(["generate", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", "the cat"]) == 2
+    err = capsys.readouterr().err
+    assert "unimae generate: error: the model gave non-finite next-token scores" in err and "Traceback" not in err
 
 
 def test_invalid_utf8_on_stdin_is_one_sentence(tiny_model_dirs, monkeypatch, capsys):
@@ -317,8 +364,11 @@ def test_nan_weights_make_completions_a_clear_422_not_a_500_nor_garbage(tiny_mod
     assert sum("a generation stopped" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 3
 
 
-def _read_response(sock) -> int:
-    """The status of the next HTTP/1.1 response on ``sock`` (its body read whole, by its Content-Length)."""
+WAIT = 60  # seconds: a guard against a hang, never an ordering device
+
+
+def _read_response(sock) -> tuple[int, bytes]:
+    """The status and body of the next HTTP/1.1 response on ``sock`` (the body read whole, by its Content-Length)."""
     data = b""
     while b"\r\n\r\n" not in data:
         part = sock.recv(65536)
@@ -330,20 +380,17 @@ def _read_response(sock) -> int:
     )
     while len(body) < length:
         body += sock.recv(65536)
-    return int(head.split(b" ")[1])
+    return int(head.split(b" ")[1]), body
 
 
-def test_keep_alive_reuses_a_connection_within_the_timeout_and_closes_it_after(tiny_model_dirs, monkeypatch):
-    """``unimae serve --keep-alive-s`` reaches uvicorn: a second request within the timeout is answered on the same
-    connection; the connection, idle, is then closed by the server, not before the timeout and not never."""
+@contextlib.contextmanager
+def _serving(tiny_model_dirs, monkeypatch, *flags: str) -> Iterator[int]:
+    """``unimae serve`` with ``flags`` on a free loopback port (yielded), in a thread; stopped on exit."""
     import socket
     import threading
-    import time
 
     import uvicorn
 
-    keep_alive = 6.0  # over uvicorn's own default (5 s): a timeout that did not reach uvicorn fails the lower bound
-    wait = 60  # a guard against a hang, never an ordering device
     servers: list[uvicorn.Server] = []
 
     def run(app, **options):  # uvicorn.run with the options `unimae serve` passes, on a server the test can stop
@@ -354,26 +401,93 @@ def test_keep_alive_reuses_a_connection_within_the_timeout_and_closes_it_after(t
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", "--port", str(port)]
-    thread = threading.Thread(target=main, args=([*argv, "--keep-alive-s", str(keep_alive)],), daemon=True)
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", "--port", str(port), *flags]
+    thread = threading.Thread(target=main, args=(argv,), daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + WAIT
         while not (servers and servers[0].started):
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
-        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
-        with socket.create_connection(("127.0.0.1", port), timeout=wait) as conn:
-            conn.sendall(request)
-            assert _read_response(conn) == 200
-            conn.sendall(request)  # at once: well within the timeout
-            assert _read_response(conn) == 200  # answered on the same connection
-            idle_from = time.monotonic()
-            assert conn.recv(1) == b"", "the server sent something on an idle connection"  # blocks until it closes
-            idle = time.monotonic() - idle_from
-        assert keep_alive - 0.1 <= idle < wait, idle
+        yield port
     finally:
         if servers:
             servers[0].should_exit = True
-        thread.join(wait)
+        thread.join(WAIT)
     assert not thread.is_alive()
+
+
+def _closed_after(conn) -> float:
+    """Seconds until the server closes ``conn``, on which it must send nothing (blocks until then)."""
+    idle_from = time.monotonic()
+    assert conn.recv(1) == b"", "the server sent something on an idle connection"
+    return time.monotonic() - idle_from
+
+
+def test_keep_alive_reuses_a_connection_within_the_timeout_and_closes_it_after(tiny_model_dirs, monkeypatch):
+    """``unimae serve --keep-alive-s`` reaches uvicorn: a second request within the timeout is answered on the same
+    connection; the connection, idle, is then closed by the server, not before the timeout and not never."""
+    import socket
+
+    keep_alive = 6.0  # over uvicorn's own default (5 s): a timeout that did not reach uvicorn fails the lower bound
+    with _serving(tiny_model_dirs, monkeypatch, "--keep-alive-s", str(keep_alive)) as port:
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as conn:
+            conn.sendall(request)
+            assert _read_response(conn)[0] == 200
+            conn.sendall(request)  # at once: well within the timeout
+            assert _read_response(conn)[0] == 200  # answered on the same connection
+            idle = _closed_after(conn)  # blocks until it closes
+        assert keep_alive - 0.1 <= idle < WAIT, idle
+
+
+def test_headers_that_never_come_or_trickle_in_are_cut_off_at_the_header_timeout(tiny_model_dirs, monkeypatch, caplog):
+    """Before: a connection that sent nothing, or its headers a byte at a time, was held for ever (uvicorn starts its
+    keep-alive timer only after a response, and every byte resets it). Now ``--header-timeout-s`` after it opens
+    the connection is closed: silently if nothing came, with a 408 if part of a request did, and bytes that keep
+    trickling in (every 0.2 s here, against a 1.5 s timeout) do not extend it."""
+    import logging
+    import select
+    import socket
+
+    timeout = 1.5
+    with (
+        caplog.at_level(logging.INFO),
+        _serving(tiny_model_dirs, monkeypatch, "--header-timeout-s", str(timeout)) as port,
+    ):
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as silent:
+            idle = _closed_after(silent)
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as slow:
+            opened = time.monotonic()
+            slow.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())
+            while not select.select([slow], [], [], 0.2)[0]:  # one more header line until the server answers
+                assert time.monotonic() - opened < WAIT, "the server held a connection that kept sending headers"
+                slow.sendall(b"X-Padding: 1\r\n")
+            status, body = _read_response(slow)
+            trickled = time.monotonic() - opened
+            assert slow.recv(1) == b""  # and closed
+    assert timeout - 0.1 <= idle < WAIT, idle
+    assert status == 408 and b"request headers did not arrive within 1.5 s" in body, body
+    assert timeout - 0.1 <= trickled < WAIT, trickled
+    closed = [r.getMessage() for r in caplog.records if "no complete request headers" in r.getMessage()]
+    assert len(closed) == 2 and "(0 bytes of them came)" in closed[0], closed
+
+
+def test_the_header_timeout_spares_requests_whose_headers_came_and_idle_keep_alive(tiny_model_dirs, monkeypatch):
+    """Once a request's headers are in, the header timeout is done with it: a body that stalls gets the body
+    timeout's 408 (2 s, after the 1 s header timeout), and an idle connection after a response is closed by the
+    keep-alive timeout (3 s), not by the header timeout (which waits for the next request's first byte)."""
+    import socket
+
+    flags = ["--header-timeout-s", "1", "--body-timeout-s", "2", "--keep-alive-s", "3"]
+    with _serving(tiny_model_dirs, monkeypatch, *flags) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as conn:
+            head = f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 20\r\n\r\n"
+            conn.sendall(head.encode() + b'{"input": ')  # and the rest never
+            status, body = _read_response(conn)
+        assert status == 408 and b"request body did not arrive within 2 s" in body, body
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as conn:
+            conn.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            assert _read_response(conn)[0] == 200
+            idle = _closed_after(conn)
+    assert 3 - 0.1 <= idle < WAIT, idle

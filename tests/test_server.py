@@ -248,7 +248,7 @@ def test_the_default_answer_length_shrinks_to_the_context_left(server, tiny_mode
     explicit = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16})
     assert explicit.status_code == 400 and "exceeds the context" in explicit.json()["error"]["message"]
     full = _post(server, "/v1/completions", {"prompt": " ".join(words)})
-    assert full.status_code == 400 and "fills the context" in full.json()["error"]["message"]
+    assert full.status_code == 400 and "longer than the model's context of 512" in full.json()["error"]["message"]
 
 
 def test_malformed_json_oversized_body_and_auth(server):

@@ -26,6 +26,7 @@ from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
 from unimae.embedding.vectors import finish_embeddings
 from unimae.generation.kv_cache import returned_cache
+from unimae.generation.prompt import check_fits, prompt_ids
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import generate_text
 from unimae.release import resolve_adapter
@@ -255,25 +256,29 @@ class Encoder:
         disable = getattr(self.model, "disable_adapter", None)
         return disable() if disable is not None else contextlib.nullcontext()
 
-    def prompt_ids(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
-        """Token ids of a prompt: plain text, or (``chat`` / a message list) through the chat template."""
-        if chat or isinstance(prompt, list):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("this tokenizer has no chat template; send a plain-text prompt instead")
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    @property
+    def context(self) -> int | None:
+        """Tokens of a prompt and its answer the model attends over (its ``max_position_embeddings``; None if its
+        config states none)."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def prompt_ids(self, prompt: str | list[dict], chat: bool = False, limit: int | None = None) -> list[int]:
+        """Token ids of a prompt: plain text, or (``chat`` / a message list) through the chat template. ``limit``:
+        tokenize no further than needed to know the prompt has more than ``limit`` tokens (see
+        :func:`unimae.generation.prompt.prompt_ids`)."""
+        return prompt_ids(self.tokenizer, prompt, limit, chat)
 
     def generate(
         self, prompt: str, max_new_tokens: int = 64, chat: bool = False, params: GenerationParams | None = None
     ) -> str:
         """Generate a continuation of ``prompt`` with the same weights (greedy unless ``params`` say so).
-        ``params`` may also come second, in ``max_new_tokens``'s place."""
+        ``params`` may also come second, in ``max_new_tokens``'s place. ValueError for a prompt longer than the
+        model's context (tokenized only that far)."""
         if isinstance(max_new_tokens, GenerationParams):
             params, max_new_tokens = max_new_tokens, max_new_tokens.max_new_tokens
         params = params or GenerationParams(max_new_tokens=max_new_tokens)
-        ids = self.prompt_ids(prompt, chat=chat)
+        ids = self.prompt_ids(prompt, chat=chat, limit=self.context)
+        check_fits(len(ids), self.context)
         return generate_text(self.model, self.tokenizer, ids, params, precision=self.precision).text
 
 

@@ -20,6 +20,7 @@ from unimae.cli.models import add_models_parser
 from unimae.cli.release import add_release_parser
 from unimae.cli.serve import add_serve_parser
 from unimae.cli.train import add_train_parser
+from unimae.generation.sampling import NonFiniteLogitsError
 
 SUBCOMMANDS = (
     add_train_parser,
@@ -53,6 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError, OSError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError, OSError, NonFiniteLogitsError) as err:
         print(f"unimae {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -63,6 +63,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from unimae.serving.header_timeout import header_timeout_protocol
+
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     values["api_key"] = check_api_key(resolve_api_key(args.api_key, args.api_key_file))  # before the model loads
     if args.engine == "llama.cpp":
@@ -86,6 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=30,
         timeout_keep_alive=config.keep_alive_s,
+        http=header_timeout_protocol(config.header_timeout_s),
     )
     return 0
 

@@ -4,7 +4,8 @@ The EOS token is always present (docs/methods.md, "The UniMAE objective"), whate
 ``add_eos_token`` habit, so that ``h_eos`` has a fixed place to live.
 
 Cost bounded by ``max_length``, not by the text: a text is cut to :func:`char_budget` characters before it is
-tokenized (:func:`tokenize_bounded`), so a 50 MB line costs what ``max_length`` tokens cost. Why the cut never
+tokenized (:func:`tokenize_bounded`), so a 50 MB line costs what ``max_length`` tokens cost; a generation prompt
+is cut the same way to what the model's context needs (:func:`ids_within`). Why the cut never
 changes the tokens kept: every token covers at most ``L`` characters of the text, ``L`` the length of the
 longest string in the vocabulary (a byte-level string has one character per byte, and a character is at least
 one byte; a SentencePiece string one per character; a byte-fallback ``<0xNN>`` is longer than its byte). So a
@@ -107,6 +108,20 @@ def tokenize_bounded(
             cut *= 2
             encoded[i] = encode([text[:cut]])[0]
     return encoded
+
+
+def ids_within(tokenizer, text: str, limit: int | None, add_special_tokens: bool = True) -> list[int]:
+    """The tokenizer's ids of ``text`` if it has at most ``limit`` of them (special tokens included): exactly the
+    whole text's. A longer text gives more than ``limit`` ids, those of its first :func:`char_budget` characters
+    (enough to know it is too long; the ids past the limit are not the whole text's), so a prompt of any size
+    costs what ``limit + 1`` tokens cost. ``limit`` None: the whole text, however long."""
+
+    def encode(batch: list[str]) -> list[list[int]]:
+        return tokenizer(batch, add_special_tokens=add_special_tokens)["input_ids"]
+
+    if limit is None:
+        return encode([text])[0]
+    return tokenize_bounded(encode, tokenizer, [text], limit + 1)[0]
 
 
 def pad_batch(

@@ -27,6 +27,7 @@ from unimae.adapter import adapter_revision, model_revision
 from unimae.embedding.vectors import finish_embeddings
 from unimae.encoder import Encoder
 from unimae.generation.decoding import decode_tokens
+from unimae.generation.prompt import check_fits
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import GenerationResult, generate_stream
 from unimae.retrieval.disk_index import DiskIndex, open_index
@@ -160,13 +161,16 @@ class RAG:
         return prompt_tail(self.encoder.tokenizer, query, hits, self.config.max_passage_tokens)
 
     def check_budget(self, query: str, max_new_tokens: int, prompt_tokens: int | None = None) -> None:
-        """ValueError for an empty question, or a prompt (``prompt_tokens``; else the question twice) that
-        leaves no room for ``max_new_tokens`` in the model's context."""
+        """ValueError for an empty question, a question longer than the model's context (tokenized only that far),
+        or a prompt (``prompt_tokens``; else the question twice) that leaves no room for ``max_new_tokens`` in
+        the context."""
         if not query.strip():
             raise ValueError("the question is empty")
-        context = getattr(self.encoder.model.config, "max_position_embeddings", None)
+        context = self.encoder.context
         if prompt_tokens is None:
-            prompt_tokens = 2 * (len(self.encoder.tokenizer(query, add_special_tokens=True)["input_ids"]) + 1)
+            question = len(self.encoder.prompt_ids(query, limit=context))
+            check_fits(question, context, "the question")
+            prompt_tokens = 2 * (question + 1)
         if context is not None and prompt_tokens + max_new_tokens > context:
             raise ValueError(
                 f"the prompt ({prompt_tokens} tokens) and {max_new_tokens} new tokens exceed the model's context "

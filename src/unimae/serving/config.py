@@ -61,6 +61,14 @@ class ServerConfig:
     keep_alive_s: float = field(
         default=5.0, metadata={"help": "An idle keep-alive connection is closed after this many seconds."}
     )
+    header_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Longest wait for a request's complete headers, from the connection's opening (later: from the "
+            "first byte of the next request), however the bytes trickle in; the connection is closed after "
+            "(with a 408 if part of a request came)."
+        },
+    )
 
     def __post_init__(self):
         positive = (
@@ -76,7 +84,7 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("body_timeout_s", "keep_alive_s"):
+        for name in ("body_timeout_s", "keep_alive_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.on_too_long not in ("truncate", "error"):

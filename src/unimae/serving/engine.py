@@ -37,11 +37,13 @@ class Engine(Protocol):
     - ``embed(inputs)``: (N, D) unit rows, in token-budgeted chunks shared with other requests; cancelling the
       awaited call drops the request's chunks not yet run.
     - ``prompt_ids(prompt)``: a text, or a message list through the model's chat template (ValueError if it has
-      none).
+      none), tokenized no further than ``context + 1`` tokens need: a prompt that fits gets exactly its ids, a
+      longer one more than ``context`` ids (:func:`unimae.generation.prompt.prompt_ids`).
     - ``generate(ids, params, cancel)``: text pieces, then one :class:`GenerationResult`; stop strings cut.
       Setting ``cancel`` (or closing the iterator) ends the generation within a token.
     - ``rag_prepare`` / ``rag_stream``: /v1/rag (with an index): retrieve and build the prompt (ValueError when
-      it does not fit), then the hits, text pieces and the :class:`RAGAnswer`.
+      it does not fit; a question over the context is refused before it is tokenized whole), then the hits, text
+      pieces and the :class:`RAGAnswer`.
     """
 
     kind: str  # "torch" or "llama.cpp": /health reports it

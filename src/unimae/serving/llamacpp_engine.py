@@ -38,6 +38,7 @@ from unimae.embedding.spec import with_prompt
 from unimae.embedding.tokenization import encode_with_eos
 from unimae.embedding.vectors import finish_embeddings
 from unimae.export.gguf import KEY_PREFIX
+from unimae.generation.prompt import check_fits, prompt_ids
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import GenerationResult
 from unimae.retrieval.index import Hit, VectorIndex
@@ -127,14 +128,11 @@ class LlamaCppModel:
         source = self.metadata.get(f"{KEY_PREFIX}base_model")
         return model_id(str(source)) if source else self.path.stem
 
-    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
-        """Token ids of a prompt: plain text, or a message list through the GGUF's chat template."""
-        if isinstance(prompt, list):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("this model has no chat template; send a plain-text prompt instead")
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    def prompt_ids(self, prompt: str | list[dict], limit: int | None = None) -> list[int]:
+        """Token ids of a prompt: plain text, or a message list through the GGUF's chat template. ``limit``:
+        tokenize no further than needed to know the prompt has more than ``limit`` tokens (see
+        :func:`unimae.generation.prompt.prompt_ids`)."""
+        return prompt_ids(self.tokenizer, prompt, limit)
 
     def embedding_ids(
         self, texts: list[str], max_length: int | None = None, input_type: str | None = None
@@ -254,7 +252,7 @@ class LlamaCppEngine:
         return await self.batcher.submit(inputs)
 
     def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
-        return self.model.prompt_ids(prompt)
+        return self.model.prompt_ids(prompt, limit=self.context)
 
     def generate(
         self, ids: list[int], params: GenerationParams, cancel: threading.Event
@@ -327,6 +325,7 @@ class LlamaCppEngine:
         if not query.strip():
             raise ValueError("the question is empty")
         model = self.model
+        check_fits(len(model.prompt_ids(query, limit=model.context)), model.context, "the question")
         query_ids = model.embedding_ids([query], input_type="query")[0]
         dims = self.index.dim if self.index.dim < model.embedding_dim else None
         hits = self.index.search(finish_embeddings(model.embed_ids([query_ids]), dims, normalize=True), k or 3)[0]

@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 
 from unimae.embedding.pooling import PooledInput
 from unimae.encoder import Encoder
+from unimae.generation.prompt import check_fits
 from unimae.generation.sampling import GenerationParams
 from unimae.retrieval.index import VectorIndex
 from unimae.serving.config import ServerConfig
@@ -70,9 +71,14 @@ class ServerState:
         self, body: CompletionRequest | ChatRequest, default_tokens: int, prompt_tokens: int
     ) -> GenerationParams:
         """Decoding options of a completion or chat ``body``; 400 when the prompt and answer overflow the context.
-        Without ``max_tokens`` the default answer length shrinks to the context left (as OpenAI and vLLM do)."""
+        Without ``max_tokens`` the default answer length shrinks to the context left (as OpenAI and vLLM do).
+        ``prompt_tokens``: the length of the engine's ``prompt_ids`` (over the context: tokenized only that far)."""
         max_tokens = self.token_budget(body.max_tokens, default_tokens)
         context = self.engine.context
+        try:
+            check_fits(prompt_tokens, context)
+        except ValueError as err:
+            raise APIError(400, str(err), "messages" if isinstance(body, ChatRequest) else "prompt") from err
         if body.max_tokens is None and context is not None:
             if prompt_tokens >= context:
                 raise APIError(400, f"the prompt ({prompt_tokens} tokens) fills the context of {context}")

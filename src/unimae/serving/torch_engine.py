@@ -55,7 +55,7 @@ class TorchEngine:
         self.embedding_tokenizer = copy.deepcopy(encoder.tokenizer)  # see embedding_inputs
         self.rag = RAG(encoder, index) if index is not None else None
         self.has_index = index is not None
-        self.context = getattr(encoder.model.config, "max_position_embeddings", None)
+        self.context = encoder.context
         self.embedding_dim, self.max_length = encoder.embedding_dim, encoder.max_length
         self.matryoshka_dims = encoder.spec.matryoshka_dims
         self.embedding_inputs(["warm up"], None, config.on_too_long == "error")  # truncation set before threads
@@ -101,7 +101,7 @@ class TorchEngine:
         return await self.batcher.submit(inputs)  # (N, D) unit rows
 
     def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
-        return self.encoder.prompt_ids(prompt)
+        return self.encoder.prompt_ids(prompt, limit=self.context)
 
     def generate(
         self, ids: list[int], params: GenerationParams, cancel: threading.Event
