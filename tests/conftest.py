@@ -1,4 +1,4 @@
-"""Tiny random Llama / Gemma3 / Qwen2 models and tokenizers, built in-process (no download)."""
+"""Fixtures: tiny random Llama / Gemma3 / Qwen2 models and tokenizers (unimae.tiny_models, no download)."""
 
 from __future__ import annotations
 
@@ -8,31 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHITECTURES = ["llama", "gemma3", "qwen2"]
+from unimae.tiny_models import ARCHITECTURES, SENTENCES, build_model, build_tokenizer, save_tiny_model
+
+__all__ = ["ARCHITECTURES", "SENTENCES", "build_model", "build_tokenizer"]  # imported by the tests from here
+
 SHARED_DATA = Path(os.environ.get("UNIMAE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 # The user's model cache, where the integration tests find (or build once) the dequantized offline models.
 REAL_CACHE = os.environ.get("UNIMAE_CACHE_REAL", str(Path.home() / ".cache" / "unimae"))
 
-SENTENCES = [
-    "the cat sat on the mat and looked at the door",
-    "a dog ran across the green field to find the ball",
-    "rain fell over the old city while people walked home",
-    "the river flows north through the quiet valley",
-    "she wrote a letter to her brother about the summer",
-    "stock markets rose after the bank cut interest rates",
-    "the team won the final match in the last minute",
-    "scientists found water ice near the south pole of the moon",
-    "he cooked rice and beans for dinner with his friends",
-    "the museum opened a new hall for ancient coins",
-    "children played football in the park after school",
-    "the train to the coast leaves every hour from the station",
-]
 
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<extra_1>{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}<extra_1>assistant:{% endif %}"
-)
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip where PyTorch sees no CUDA device (CPU machines, CPU-only builds)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 class RecordingTokenizer:
@@ -52,77 +44,10 @@ class RecordingTokenizer:
         return len(self.tokenizer)
 
 
-def build_tokenizer(add_bos: bool, with_mask: bool, with_pad: bool = True):
-    """A byte-level BPE over ``SENTENCES``; ``<pad>`` is always in the vocabulary (same ids either way),
-    but only declared the pad token when ``with_pad``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>" if with_mask else "<extra_0>", "<extra_1>", "<extra_2>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(SENTENCES * 4, trainer)
-    from tokenizers import decoders
-
-    tok.decoder = decoders.ByteLevel()
-    if add_bos:
-        bos_id = tok.token_to_id("<bos>")
-        tok.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos_id)]
-        )
-    extra = ["<extra_1>", "<extra_2>"] if with_mask else ["<extra_0>", "<extra_1>", "<extra_2>"]
-    kwargs = {"additional_special_tokens": extra, **({"mask_token": "<mask>"} if with_mask else {})}
-    if with_pad:
-        kwargs["pad_token"] = "<pad>"
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", **kwargs
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_model(arch: str, vocab_size: int, seed: int = 0):
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
-
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if arch == "llama":
-        config = LlamaConfig(**common, tie_word_embeddings=True)
-    elif arch == "gemma3":
-        config = Gemma3TextConfig(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common, tie_word_embeddings=False)
-    else:
-        raise ValueError(arch)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """{arch: directory with a tiny random model and tokenizer}, saved once per session."""
-    dirs = {}
-    for arch in ARCHITECTURES:
-        tokenizer = build_tokenizer(add_bos=arch != "qwen2", with_mask=arch != "qwen2")
-        model = build_model(arch, len(tokenizer))
-        directory = tmp_path_factory.mktemp(f"tiny-{arch}")
-        model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-        dirs[arch] = directory
-    return dirs
+    return {arch: save_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}")) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(params=ARCHITECTURES)

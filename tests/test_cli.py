@@ -133,9 +133,9 @@ def test_check_passes_its_options_and_writes_the_rows(monkeypatch, tmp_path, cap
     result = CheckResult([("base eos", "STSBenchmark test Spearman", 12.345)], {"base": "Paris"})
     calls = _record(monkeypatch, "unimae.evaluation.check.run_check", result)
     out = tmp_path / "check.json"
-    argv = ["check", "--model", "m", "--adapter", "a", "--sts", "s.jsonl", "--max-paragraphs", "5"]
+    argv = ["check", "--model", "m", "--adapter", "a", "--sts", "s.jsonl", "--max-paragraphs", "5", "--device", "cpu"]
     assert main([*argv, "--output", str(out)]) == 0
-    assert calls == [(("m", "a"), {"sts": "s.jsonl", "max_paragraphs": 5})]
+    assert calls == [(("m", "a"), {"sts": "s.jsonl", "max_paragraphs": 5, "device": "cpu"})]
     printed = capsys.readouterr().out
     assert "| base eos | STSBenchmark test Spearman | 12.35 |" in printed and "(base): 'Paris'" in printed
     assert json.loads(out.read_text()) == {
@@ -153,7 +153,7 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
     argv = ["evaluate", "embeddings", "--model", "m", "--adapter", "a", "--pooling", "mean"]
     argv += ["--attention", "bidirectional", "--tasks", "STSBenchmark", "SciFact", "--data-dir", "d"]
     argv += ["--output-dir", str(tmp_path), "--label", "lbl", "--batch-size", "8", "--max-length", "64"]
-    argv += ["--precision", "fp32", "--no-cache", "--rerun", "--dimensions", "32"]
+    argv += ["--precision", "fp32", "--no-cache", "--rerun", "--dimensions", "32", "--device", "cuda:1"]
     assert main(argv) == 1
     assert calls == [
         (
@@ -170,6 +170,7 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
                 use_cache=False,
                 rerun=True,
                 dimensions=32,
+                device="cuda:1",
             ),
         )
     ]
@@ -244,7 +245,9 @@ def test_evaluate_generation_passes_its_options_and_prints_headline_metrics(monk
         "hf",
     ]
     assert main(argv) == 0
-    options = dict(tasks=["piqa", "mmlu"], limit=3, batch_size=2, precision="fp32", rerun=True, scorer="hf")
+    options = dict(
+        tasks=["piqa", "mmlu"], limit=3, batch_size=2, precision="fp32", rerun=True, scorer="hf", device="auto"
+    )
     assert calls == [(("m", None, tmp_path, Path("d")), options)]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["piqa", "acc_norm", "0.5000"]

@@ -105,7 +105,7 @@ def one_query_attention_in_fp32(monkeypatch):
     def attention(module, query, key, value, *args, **kwargs):
         if query.shape[2] != 1 or query.dtype == torch.float32:
             return sdpa(module, query, key, value, *args, **kwargs)
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(query.device.type, enabled=False):
             out, weights = sdpa(module, query.float(), key.float(), value.float(), *args, **kwargs)
         return out.to(query.dtype), weights
 

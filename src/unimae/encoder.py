@@ -32,7 +32,7 @@ from unimae.generation.stream import generate_text
 from unimae.release import resolve_adapter
 from unimae.runtime.int8 import quantize_linears
 from unimae.runtime.memory import tune_allocator
-from unimae.runtime.precision import autocast, default_device, resolve_inference_precision, weight_dtype
+from unimae.runtime.precision import autocast, resolve_device, resolve_inference_precision, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class Encoder:
     ``precision``: one of :data:`~unimae.runtime.precision.INFERENCE_PRECISIONS` ('auto', 'bf16', 'fp32',
     'int8-decode', 'int8'; :mod:`unimae.runtime.precision` says what each runs and what 'auto' picks where).
     With 'int8' the model's linear layers are replaced by dynamically quantized ones here (in place).
+    ``device``: 'auto' (or None: a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'
+    (:func:`~unimae.runtime.precision.resolve_device`); the model is moved there.
     """
 
     def __init__(
@@ -63,7 +65,7 @@ class Encoder:
     ):
         self.spec = spec or EmbeddingSpec(attention=attention, pooling=pooling, **pooling_options)
         tune_allocator()
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -123,7 +125,7 @@ class Encoder:
         bf16 (AVX2): fp32 embeddings, int8 weights in the decode steps.
         """
         adapter = resolve_adapter(adapter)  # a folder, or the name of a released adapter
-        device = torch.device(kwargs["device"]) if kwargs.get("device") else default_device()
+        device = resolve_device(kwargs.get("device"))
         precision = resolve_inference_precision(kwargs.get("precision", "auto"), device)
         kwargs["precision"] = precision  # resolved once: the Encoder quantizes for 'int8'
         spec = _resolve_spec(embedding_spec(adapter), pooling, attention, kwargs)

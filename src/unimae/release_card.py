@@ -264,7 +264,7 @@ def train_command(config: dict) -> str:
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     flags = []
     for key, value in config.items():
-        if key in defaults and value != defaults[key] and key not in ("output_dir", "threads"):
+        if key in defaults and value != defaults[key] and key not in ("output_dir", "threads", "device"):
             flag = "--" + key.replace("_", "-")
             if isinstance(value, bool):
                 flags.append(flag if value else f"--no-{key.replace('_', '-')}")

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from unimae.embedding.pooling import POOLINGS
-from unimae.runtime.precision import PRECISIONS
+from unimae.runtime.precision import DEVICE_HELP, PRECISIONS, check_device_name
 
 DEFAULT_MODEL = "smollm2-135m"
 Handler = Callable[[argparse.Namespace], int]
@@ -52,6 +52,14 @@ def add_precision_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def device_argument(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (whether that GPU exists is checked when the model loads)."""
+    try:
+        return check_device_name(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def adapter_argument(value: str) -> str:
     """``--adapter``: a folder, or the name of a released adapter (``unimae.release``); anything else is passed on
     as given, and loading it names the problem."""
@@ -64,7 +72,8 @@ ADAPTER_HELP = "Adapter folder written by `unimae train`, or a release name (see
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = False) -> None:
-    """``--model``, ``--adapter``, ``--precision``; ``from_index``: model and adapter default to the index's."""
+    """``--model``, ``--adapter``, ``--precision``, ``--device``; ``from_index``: model and adapter default to the
+    index's."""
     if from_index:
         parser.add_argument("--model", help="Default: the model the index was built with.")
         parser.add_argument("--adapter", type=adapter_argument, help="Default: the adapter the index was built with.")
@@ -72,3 +81,4 @@ def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = Fals
         parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
         parser.add_argument("--adapter", type=adapter_argument, help=ADAPTER_HELP)
     add_precision_argument(parser)
+    parser.add_argument("--device", default="auto", type=device_argument, help=DEVICE_HELP)

@@ -121,7 +121,12 @@ def _embed(args: argparse.Namespace) -> int:
     texts = read_texts(args.texts, args.input, args.field)
     prompt = utf8_argument(args.prompt, "--prompt") if args.prompt else args.prompt
     encoder = Encoder.from_pretrained(
-        args.model, adapter=args.adapter, pooling=args.pooling, max_length=args.max_length, precision=args.precision
+        args.model,
+        adapter=args.adapter,
+        pooling=args.pooling,
+        max_length=args.max_length,
+        precision=args.precision,
+        device=args.device,
     )
     vectors = encoder.encode(
         texts,
@@ -146,6 +151,6 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompt = utf8_argument(args.prompt, "the prompt")
     adapter = None if args.no_adapter else args.adapter
-    encoder = Encoder.from_pretrained(args.model, adapter=adapter, precision=args.precision)
+    encoder = Encoder.from_pretrained(args.model, adapter=adapter, precision=args.precision, device=args.device)
     print(encoder.generate(prompt, max_new_tokens=args.max_new_tokens, chat=args.chat))
     return 0

@@ -147,7 +147,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> int:
     from unimae.evaluation.check import run_check
 
-    result = run_check(args.model, args.adapter, sts=args.sts, max_paragraphs=args.max_paragraphs)
+    result = run_check(args.model, args.adapter, sts=args.sts, max_paragraphs=args.max_paragraphs, device=args.device)
     print(result.table())
     for name, text in result.generation.items():
         print(f"\ngeneration ({name}): {text!r}")
@@ -185,6 +185,7 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
             use_cache=not args.no_cache,
             rerun=args.rerun,
             dimensions=args.dimensions,
+            device=args.device,
         )
     # This run's row only; the folder's table (summary.md) is written by `unimae evaluate summary`.
     print(summary_markdown(out, [run.label], expand_tasks(args.tasks)))
@@ -217,7 +218,7 @@ def _figures(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     texts, classes = clustering_sample(Path(args.data_dir))
     encoder = Encoder.from_pretrained(
-        args.model, adapter=args.adapter, merge=False, max_length=128, precision=args.precision
+        args.model, adapter=args.adapter, merge=False, max_length=128, precision=args.precision, device=args.device
     )
     with encoder.adapter_disabled():  # the base as it embeds untrained: causal attention, eos pooling
         panels = {"base model, eos pooling": encoder.with_spec(EmbeddingSpec()).encode(texts)}
@@ -245,6 +246,7 @@ def _generation(args: argparse.Namespace) -> int:
         precision=args.precision,
         rerun=args.rerun,
         scorer=args.scorer,
+        device=args.device,
     )
     for task, metrics in summary["results"].items():
         key = headline_metric(task, metrics)

@@ -127,7 +127,7 @@ def _build_here(args: argparse.Namespace, passages: list, config, source: dict):
     from unimae.retrieval.index import VectorIndex
 
     encoder = Encoder.from_pretrained(
-        args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision
+        args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision, device=args.device
     )
     store = DiskIndex if isinstance(config, DiskIndexConfig) else VectorIndex
     return store.build(encoder, passages, args.output_dir, config, source=source, overwrite=args.overwrite)
@@ -136,7 +136,9 @@ def _build_here(args: argparse.Namespace, passages: list, config, source: dict):
 def _build_on_ray(args: argparse.Namespace, passages: list, config, source: dict):
     from unimae.retrieval.ray_index import EncoderLoad, RayConfig, build_on_ray
 
-    load = EncoderLoad(args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision)
+    load = EncoderLoad(
+        args.model, adapter=args.adapter, max_length=args.max_length, precision=args.precision, device=args.device
+    )
     ray_config = RayConfig(
         address=args.address,
         workers=args.workers,
@@ -151,7 +153,9 @@ def _ask(args: argparse.Namespace) -> int:
     from unimae.retrieval.rag import RAG, RAGAnswer, RAGConfig, load_index_and_encoder
 
     question = utf8_argument(args.question, "the question")
-    encoder, index = load_index_and_encoder(args.index, args.model, args.adapter, precision=args.precision)
+    encoder, index = load_index_and_encoder(
+        args.index, args.model, args.adapter, precision=args.precision, device=args.device
+    )
     rag = RAG(encoder, index, RAGConfig(k=args.k, reuse_kv=not args.no_kv_reuse))
     answer = None
     for item in rag.stream(question, params=GenerationParams(max_new_tokens=args.max_new_tokens)):

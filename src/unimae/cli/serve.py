@@ -99,8 +99,11 @@ def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
 
     if not args.gguf:
         raise ValueError("--engine llama.cpp serves --gguf FILE; write one with `unimae export --format gguf`")
-    if args.model or args.adapter or args.merge:
-        raise ValueError("--model, --adapter and --merge are for --engine torch; the GGUF already holds the merge")
+    if args.model or args.adapter or args.merge or args.device != "auto":
+        raise ValueError(
+            "--model, --adapter, --merge and --device are for --engine torch; the GGUF already holds the merge "
+            "(llama.cpp runs it on the CPU)"
+        )
     index = None
     if args.index:
         from unimae.retrieval.disk_index import open_index
@@ -119,13 +122,20 @@ def _load_encoder(args: argparse.Namespace) -> tuple:
     if args.index:
         from unimae.retrieval.rag import load_index_and_encoder
 
-        encoder, index = load_index_and_encoder(args.index, args.model, args.adapter, args.precision, merge)
+        encoder, index = load_index_and_encoder(
+            args.index, args.model, args.adapter, args.precision, merge, device=args.device
+        )
         return encoder, index, args.model or index.manifest["model"]
     from unimae.encoder import Encoder
 
     model = args.model or DEFAULT_MODEL
     encoder = Encoder.from_pretrained(
-        model, adapter=args.adapter, max_length=args.max_length, precision=args.precision, merge=merge
+        model,
+        adapter=args.adapter,
+        max_length=args.max_length,
+        precision=args.precision,
+        merge=merge,
+        device=args.device,
     )
     return encoder, None, model
 

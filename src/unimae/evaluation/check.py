@@ -70,14 +70,17 @@ def run_check(
     max_paragraphs: int = 300,
     prompt: str = "The capital of France is",
     max_length: int = 128,
+    device: str = "auto",
 ) -> CheckResult:
-    """Base mean, base eos and (with ``adapter``) trained eos on STSB and held-out halves."""
+    """Base mean, base eos and (with ``adapter``) trained eos on STSB and held-out halves, on ``device``."""
     if sts is None:
         data = find_data_dir()
         sts = str(data / STSB_RELATIVE) if data and (data / STSB_RELATIVE).is_file() else None
     pairs = load_sts_pairs(sts) if sts else None
     paragraphs = enwiki_gensim_paragraphs("heldout")[:max_paragraphs]
-    encoder = Encoder.from_pretrained(model, adapter=adapter, pooling="eos", merge=False, max_length=max_length)
+    encoder = Encoder.from_pretrained(
+        model, adapter=adapter, pooling="eos", merge=False, max_length=max_length, device=device
+    )
     settings = [("base mean", "mean", False), ("base eos", "eos", False)]
     if adapter:
         settings.append(("unimae eos", "eos", True))

@@ -340,6 +340,7 @@ def evaluate_embeddings(
     rerun: bool = False,
     attention: str | None = None,
     dimensions: int | None = None,
+    device: str = "auto",
 ) -> EmbeddingRun:
     """Evaluate unimae's Encoder (``model`` + ``adapter``, ``pooling``) on mteb ``tasks``.
 
@@ -350,6 +351,7 @@ def evaluate_embeddings(
     weights, pooling, max length, precision and text; ``encoder`` reuses an already loaded one.
     ``dimensions``: score the first k coordinates (Matryoshka; cosine similarity, so no re-normalisation is
     needed); the cache holds the full vectors, so every size after the first costs only the scoring.
+    ``device``: where a loaded encoder runs (auto, cpu, cuda, cuda:N; not part of the cache key).
     """
     from unimae.evaluation.mteb_model import MTEBEncoder  # imported here: that module imports mteb, an optional extra
 
@@ -360,6 +362,7 @@ def evaluate_embeddings(
         max_length=max_length,
         precision=precision,
         attention=attention,
+        device=device,
     )
     pooling = encoder.pooling  # 'auto' resolved from the adapter
     revision = adapter_revision(adapter)

@@ -19,12 +19,14 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from unimae.adapter import adapter_revision, load_with_adapter, model_revision
 from unimae.data.corpus import enwiki_gensim_paragraphs
 from unimae.evaluation.embeddings import same_run, versions
 from unimae.files import atomic_write_json, read_json
 from unimae.runtime.memory import cpu_model
-from unimae.runtime.precision import default_device, resolve_precision, weight_dtype
+from unimae.runtime.precision import resolve_device, resolve_precision, weight_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +136,7 @@ def evaluate_generation(
     precision: str = "auto",
     rerun: bool = False,
     scorer: str = "unimae",
+    device: str = "auto",
 ) -> dict:
     """Run lm-eval on the live model (adapter applied, not merged); write ``generation.json``; return it.
 
@@ -145,7 +148,8 @@ def evaluate_generation(
     (HellaSwag alone is 40k requests, 75 min to 2 h for SmolLM2 on 2 cores) resumes after its answered
     requests: lm-eval's own request cache (``use_cache``), one per task and run identity, deleted
     once the task's record is written. ``scorer``: ``"unimae"`` (:class:`ScoredLM`) or ``"hf"`` (lm-eval's HFLM);
-    it is part of the run's identity, so the two never share a record.
+    it is part of the run's identity, so the two never share a record. ``device``: where the model runs (auto,
+    cpu, cuda, cuda:N); 'auto' precision resolves for it.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -158,7 +162,8 @@ def evaluate_generation(
     include = write_task_configs(output_dir / "lm_tasks", data_dir, local)
     manager = TaskManager(include_path=str(include))
     check_registry_tasks([t for t in tasks if t not in GENERATION_TASKS], manager)
-    resolved = resolve_precision(precision, default_device())
+    placed = resolve_device(device)
+    resolved = resolve_precision(precision, placed)
     meta = {
         "model": model_spec,
         "model_revision": model_revision(model_spec),  # a model folder retrained in place is a new model
@@ -172,7 +177,7 @@ def evaluate_generation(
     done = {} if rerun else finished_tasks(output_dir / "tasks", tasks, meta)
     todo = [t for t in tasks if t not in done]
     if todo:
-        done.update(_run_tasks(meta, todo, manager, output_dir / "tasks", batch_size))
+        done.update(_run_tasks(meta, todo, manager, output_dir / "tasks", batch_size, placed))
     summary = {
         **meta,
         "seconds": round(sum(done[t]["seconds"] for t in tasks), 1),
@@ -203,14 +208,16 @@ def finished_tasks(folder: Path, tasks: list[str], meta: dict) -> dict[str, dict
     return records
 
 
-def _run_tasks(meta: dict, tasks: list[str], manager, folder: Path, batch_size: int) -> dict[str, dict]:
-    """Evaluate ``tasks`` one by one on the model of ``meta``; write each task's record as it finishes."""
+def _run_tasks(
+    meta: dict, tasks: list[str], manager, folder: Path, batch_size: int, device: torch.device
+) -> dict[str, dict]:
+    """Evaluate ``tasks`` one by one on the model of ``meta`` on ``device``; write each task's record as it
+    finishes."""
     import lm_eval
-    import torch
 
     # unmerged: peft casts inputs to the fp32 LoRA weights itself
     model, tokenizer, _ = load_with_adapter(meta["model"], meta["adapter"] or None, weight_dtype(meta["precision"]))
-    model.to(default_device()).eval()
+    model.to(device).eval()
     lm = build_scorer(meta["scorer"], model, tokenizer, batch_size, meta["max_length"])
     folder.mkdir(parents=True, exist_ok=True)
     records = {}

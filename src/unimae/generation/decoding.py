@@ -210,7 +210,8 @@ class Decoder:
         hidden = self.model.get_decoder()(
             input_ids=ids, attention_mask=mask, **with_cache(cache)
         ).last_hidden_state  # (B, T, D)
-        last = hidden[torch.arange(len(states)), torch.tensor(lengths) - 1]  # (B, D) each row's last prompt token
+        rows = torch.arange(len(states), device=hidden.device)  # (B,)
+        last = hidden[rows, torch.tensor(lengths, device=hidden.device) - 1]  # (B, D) each row's last prompt token
         logits = self.model.get_output_embeddings()(last[:, None])[:, 0]  # (B, V): the head on B rows only
         for row, (state, n) in enumerate(zip(states, lengths, strict=True)):
             for layer, source in zip(state.cache.layers, cache.layers, strict=True):

@@ -66,7 +66,7 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
         with torch.enable_grad():
             loss = self.loss(z, batch)
             (grad,) = torch.autograd.grad(loss, z)  # (2) (N, D) dL/dz: the cache
-        lm = torch.zeros(())
+        lm = torch.zeros((), device=z.device)
         for rows, state in zip(chunks, states, strict=True):
             state.restore()  # same dropout masks as in (1)
             part, lm_part = self.embed_and_lm(batch, rows)  # (3) one chunk with its graph; its share of L_LM

@@ -274,6 +274,7 @@ def load_index_and_encoder(
     adapter: str | None = None,
     precision: str = "auto",
     merge: bool | None = None,
+    device: str = "auto",
 ) -> tuple[Encoder, VectorIndex | DiskIndex]:
     """Open the index in ``index_dir`` (a memory or a disk store, as its manifest says) and the encoder that embeds
     queries the way its passages were embedded.
@@ -281,7 +282,7 @@ def load_index_and_encoder(
     ``model`` and ``adapter`` default to the ones the index was built with (its manifest); an adapter whose
     revision (content hash of its weights) is not the one recorded in the manifest is refused. The embedding
     spec (attention, pooling and its options) and ``max_length`` always come from the index. ``merge=None``
-    merges the LoRA exactly when the index build did.
+    merges the LoRA exactly when the index build did. ``device``: where the encoder runs (auto, cpu, cuda, cuda:N).
     """
     index = open_index(index_dir)
     manifest = index.manifest
@@ -321,6 +322,7 @@ def load_index_and_encoder(
         max_length=manifest["max_length"],
         precision=precision,
         merge=merge if merge is not None else manifest.get("merged"),
+        device=device,
         **spec.pooling_options,
     )
     return encoder, index

@@ -86,10 +86,11 @@ class EncoderLoad:
     adapter: str | None = None
     max_length: int = 512
     precision: str = "auto"
+    device: str = "auto"  # auto: the GPU Ray gave the worker (--num-gpus-per-worker), else its CPU
 
     def load(self):
         return Encoder.from_pretrained(
-            self.model, adapter=self.adapter, max_length=self.max_length, precision=self.precision
+            self.model, adapter=self.adapter, max_length=self.max_length, precision=self.precision, device=self.device
         )
 
 

@@ -19,11 +19,17 @@ bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other CPUs (AVX2) ``int8
 the weight-only int8 kernel, else ``fp32``; ``fp32`` on other devices. :func:`resolve_precision` (training,
 evaluation) keeps ``auto`` -> ``bf16`` or ``fp32``. Under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` a
 bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks there what it picks on a real AVX2 CPU.
+
+Devices (:func:`resolve_device`, every ``--device``): ``auto`` is the first CUDA GPU if PyTorch sees one, else the
+CPU; ``cpu``, ``cuda`` and ``cuda:N`` name one, and a GPU that is not there is an error at once. On a GPU ``auto``
+precision is ``bf16`` from compute capability 8 on and ``fp32`` below (emulated bf16 is not chosen); the int8
+precisions run on CPUs only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -32,13 +38,50 @@ INT8_PRECISIONS = ("int8-decode", "int8")
 INFERENCE_PRECISIONS = (*PRECISIONS, *INT8_PRECISIONS)
 
 
+DEVICE_HELP = "auto = the first CUDA GPU if there is one, else the CPU; or cpu, cuda, cuda:N."
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_device_name(name: str) -> str:
+    """``name`` if it is a device unimae runs on (auto, cpu, cuda, cuda:N); else a ValueError naming it. Whether
+    that GPU exists is checked when a model is placed (:func:`resolve_device`)."""
+    if not isinstance(name, str) or not _DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N (e.g. cuda:1), got {name!r}")
+    return name
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """The device a model runs on: ``auto`` (or None) is :func:`default_device`; ``cpu``, ``cuda`` and ``cuda:N``
+    must exist here, else a ValueError that says what there is."""
+    if device is None or device == "auto":
+        return default_device()
+    chosen = torch.device(check_device_name(device) if isinstance(device, str) else device)
+    if chosen.type == "cpu":
+        return chosen
+    if chosen.type != "cuda":
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {str(chosen)!r}")
+    if not torch.cuda.is_available():
+        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(
+            f"device {str(chosen)!r}: no CUDA device is available (torch {torch.__version__}, {build}); "
+            "pass --device cpu, or auto to take a GPU when there is one"
+        )
+    count = torch.cuda.device_count()
+    if chosen.index is not None and chosen.index >= count:
+        raise ValueError(f"device {str(chosen)!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return chosen
+
+
 def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs bf16 natively: a CUDA GPU of compute capability 8 or more (Ampere on; not the
+    emulation older GPUs offer), a CPU with AVX-512 bf16 or AMX and oneDNN's bf16."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        with torch.cuda.device(device):
+            return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
         return bool(
             torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")

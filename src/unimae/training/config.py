@@ -16,7 +16,7 @@ from typing import Any
 
 from unimae.embedding.pooling import POOLINGS
 from unimae.files import atomic_write_json, read_json
-from unimae.runtime.precision import PRECISIONS
+from unimae.runtime.precision import DEVICE_HELP, PRECISIONS, check_device_name
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +368,10 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
     )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations (long texts)."})
     threads: int = field(default=0, metadata={"help": "torch threads per process (0: torch's default)."})
+    device: str = field(
+        default="auto",
+        metadata={"help": DEVICE_HELP + " Under torchrun / accelerate launch each process takes its local GPU."},
+    )
 
     seed: int = field(default=0, metadata={"help": "Seed for data order, masks, init."})
     save_every: int = field(default=25, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
@@ -398,6 +402,7 @@ class TrainConfig(MNTPOptions, ContrastiveOptions, GEMOptions):
                     raise ValueError(f"{f.name} must be one of {list(allowed)}, got {getattr(self, f.name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_device_name(self.device)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.num_summary_tokens < 1:

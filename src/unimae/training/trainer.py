@@ -46,7 +46,7 @@ from unimae.files import atomic_write_json, atomic_write_text, writing
 from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
-from unimae.runtime.precision import autocast, resolve_precision, weight_dtype
+from unimae.runtime.precision import autocast, resolve_device, resolve_precision, weight_dtype
 from unimae.training.checkpoint import (
     DIVERGED,
     checkpoint_dir,
@@ -164,11 +164,11 @@ def _load_base(config: TrainConfig, precision: str):
 
 
 # Settings a resumed run may change without leaving the interrupted run's path: its length, checkpointing,
-# threads, where the folder lives, the final export, and memory knobs that compute the same step.
+# threads and device, where the folder lives, the final export, and memory knobs that compute the same step.
 # (``model``: the base's fingerprint is checked instead; ``recipe``: its numbers are already in the fields.)
 _RESUME_MAY_CHANGE = {
     "steps", "save_every", "threads", "output_dir", "merge", "model", "recipe", "gradient_checkpointing",
-    "ce_chunk_size",
+    "ce_chunk_size", "device",
 }  # fmt: skip
 
 
@@ -209,10 +209,7 @@ def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, finge
 
 def _setup(config: TrainConfig, state: dict | None) -> _Run:
     """Load the model, build the method's objective and the optimizer, restore ``state`` if resuming."""
-    from accelerate import Accelerator
-
-    # Without a GPU, cpu=True lets accelerate see torchrun's WORLD_SIZE and use gloo (MULTI_CPU).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = _accelerator(config.device)
     accum = config.validate(accelerator.num_processes)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -264,6 +261,29 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         tokenizer=tokenizer,
         meta=meta,
     )
+
+
+def _accelerator(device: str):
+    """accelerate's Accelerator on ``device`` (``--device``). On the CPU, cpu=True also lets accelerate see torchrun's
+    WORLD_SIZE and use gloo (MULTI_CPU); on GPUs each process of a launcher takes its local rank's GPU, so
+    ``cuda:N`` names the GPU of a single process only."""
+    from accelerate import Accelerator
+
+    placed = resolve_device(device)
+    accelerator = Accelerator(cpu=placed.type == "cpu")
+    if placed.type == "cuda" and placed.index is not None:
+        if accelerator.num_processes > 1:
+            raise ValueError(
+                f"--device {device} picks the GPU of one process; under torchrun / accelerate launch each process "
+                "takes its local rank's GPU: pass --device cuda or auto (CUDA_VISIBLE_DEVICES picks which GPUs)"
+            )
+        torch.cuda.set_device(placed)  # the Accelerator's device is "cuda", the current one
+    if accelerator.device.type != placed.type:  # accelerate's state is set once per process
+        raise RuntimeError(
+            f"--device {device}: accelerate was already set up on {accelerator.device} in this process; "
+            "train on another device in a new process"
+        )
+    return accelerator
 
 
 def continued_step(config: TrainConfig) -> int:
