@@ -131,11 +131,11 @@ def check_training(
     options = dict(METHOD_OPTIONS.get(method, {}))
     source = data[options.pop("data", "text")]
     out = work / "runs" / f"{model_dir.name}-{method}"
-    config = TrainConfig(
+    config = TrainConfig.from_dict(dict(  # flag-named values: the method's own options are nested by from_dict
         model=str(model_dir), data=str(source), output_dir=str(out), method=method, steps=steps, batch_size=4,
         micro_batch_size=4, max_length=24, save_every=0, precision=precision, lora_r=8, lora_alpha=16, lr=5e-3,
         seed=0, device=device, **options,
-    )  # fmt: skip
+    ))  # fmt: skip
     placed = resolve_device(device)
     if placed.type == "cuda":
         torch.cuda.reset_peak_memory_stats(placed)

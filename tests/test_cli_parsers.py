@@ -150,7 +150,7 @@ def _adapter(tiny_dir, directory, spec, seed: int) -> str:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from unimae.adapter import base_fingerprint, quiet_peft, write_adapter_meta
+    from unimae.adapter import AdapterMeta, base_fingerprint, quiet_peft, write_adapter_meta
     from unimae.models import load_model
 
     model, _, _ = load_model(str(tiny_dir))
@@ -160,7 +160,7 @@ def _adapter(tiny_dir, directory, spec, seed: int) -> str:
     with quiet_peft():
         lora = get_peft_model(model, config)
     lora.save_pretrained(directory)
-    write_adapter_meta(directory, fingerprint, str(tiny_dir), spec)
+    write_adapter_meta(directory, AdapterMeta(str(tiny_dir), fingerprint, spec))
     return str(directory)
 
 

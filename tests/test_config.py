@@ -15,7 +15,7 @@ def _parse(argv):
 
 def test_defaults_are_the_cpu_recipe_with_paper_method_numbers():
     config = resolve_config(_parse([]))
-    assert (config.lora_r, config.lora_alpha, config.lr, config.alpha, config.p_mar, config.steps) == (
+    assert (config.lora_r, config.lora_alpha, config.lr, config.options.alpha, config.options.p_mar, config.steps) == (
         16,
         32,
         1e-4,
@@ -25,8 +25,9 @@ def test_defaults_are_the_cpu_recipe_with_paper_method_numbers():
     )
     assert (config.batch_size, config.max_length) == (16, 128)
     paper = resolve_config(_parse(["--recipe", "paper"]))
-    assert (paper.batch_size, paper.max_length, paper.p_mar) == (32, 512, 0.5)
-    assert (config.gem_contrastive_lr_scale, paper.gem_contrastive_lr_scale) == (1.0, 0.1)  # LoRA; GEM's paper
+    assert (paper.batch_size, paper.max_length, paper.options.p_mar) == (32, 512, 0.5)
+    gem, gem_paper = (resolve_config(_parse([*recipe, "--method", "gem"])) for recipe in ([], ["--recipe", "paper"]))
+    assert (gem.options.gem_contrastive_lr_scale, gem_paper.options.gem_contrastive_lr_scale) == (1.0, 0.1)  # LoRA
 
 
 def test_paper_recipe_then_file_then_flags(tmp_path):
@@ -34,7 +35,7 @@ def test_paper_recipe_then_file_then_flags(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"recipe": "paper", "max_length": 256, "p_mar": 0.3}))
     config = resolve_config(_parse(["--config", str(path), "--p-mar", "0.4"]))
-    assert (config.batch_size, config.max_length, config.p_mar) == (32, 256, 0.4)
+    assert (config.batch_size, config.max_length, config.options.p_mar) == (32, 256, 0.4)
 
 
 def test_paper_recipe_gives_in_batch_methods_the_whole_batch_as_negatives(caplog):
@@ -44,7 +45,7 @@ def test_paper_recipe_gives_in_batch_methods_the_whole_batch_as_negatives(caplog
     assert resolve_config(_parse(["--recipe", "paper"])).micro_batch_size == 8  # UniMAE: per-example losses
     chosen = resolve_config(_parse(["--recipe", "paper", "--method", "gem", "--micro-batch-size", "16"]))
     assert chosen.micro_batch_size == 16  # an explicit flag still wins
-    with caplog.at_level("WARNING", logger="unimae.training.config"):
+    with caplog.at_level("WARNING", logger="unimae.methods.options"):
         chosen.validate()
     assert "15 negatives per text, not the 31 of the whole batch" in caplog.text
 
@@ -60,7 +61,7 @@ def test_config_file_values_take_their_field_types(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lr: 1e-4\np_mar: 5e-1\nsteps: 20.0\n")  # YAML 1.1 reads 1e-4 as a string
     config = resolve_config(_parse(["--config", str(path)]))
-    assert (config.lr, config.p_mar, config.steps) == (1e-4, 0.5, 20) and isinstance(config.steps, int)
+    assert (config.lr, config.options.p_mar, config.steps) == (1e-4, 0.5, 20) and isinstance(config.steps, int)
     for bad, key in (("lr: fast\n", "lr"), ("steps: 2.5\n", "steps"), ("merge: 1\n", "merge"), ("- 1\n", "mapping")):
         path.write_text(bad)
         with pytest.raises(ValueError, match=key):
@@ -75,9 +76,9 @@ def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown recipe"):
         resolve_config(argparse.Namespace(recipe="gpu"))
     with pytest.raises(ValueError, match="p_mar"):
-        TrainConfig(p_mar=1.5).validate()
+        TrainConfig.from_dict({"p_mar": 1.5}).validate()
     with pytest.raises(ValueError, match="p_mar_sampling must be one of"):  # choices hold outside argparse too
-        TrainConfig(p_mar_sampling="Uniform").validate()
+        TrainConfig(options={"p_mar_sampling": "Uniform"}).validate()
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
         TrainConfig(batch_size=16, micro_batch_size=8).validate(world_size=3)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):  # 0 % 8 == 0: would train nothing
@@ -97,10 +98,70 @@ def test_every_field_has_help_text():
 def test_every_field_is_a_flag_with_method_options_grouped_last():
     from dataclasses import fields
 
-    from unimae.training.config import add_config_arguments
+    from unimae.training.config import METHOD_OPTIONS, add_config_arguments, option_fields
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     dests = [a.dest for a in parser._actions]
-    assert {f.name for f in fields(TrainConfig)} <= set(dests)
-    assert dests.index("model") < dests.index("mntp_p_mask") < dests.index("temperature")
+    shared = [f.name for f in fields(TrainConfig) if f.name != "options"]
+    assert set(shared) | set(option_fields()) <= set(dests) and "options" not in dests
+    assert max(dests.index(name) for name in shared) < min(dests.index(name) for name in option_fields())
+    for options in METHOD_OPTIONS.values():  # an option several methods share is one flag: one default for all
+        assert all(f.default == option_fields()[f.name].default for f in fields(options))
+        assert all(f.metadata.get("help") for f in fields(options))
+
+
+# config.json as the version before method options were nested wrote it: every method's options beside the rest
+FLAT_CONFIG = {
+    "num_summary_tokens": 1, "gem_plain_share": 0.8, "gem_switch_step": 100, "gem_summary_tokens": "new",
+    "gem_summary_init": "mean", "gem_train_summary_rows": True, "gem_block_position": "uniform",
+    "gem_positives": "prefix", "gem_prefix_dropout": 0.5, "gem_learn_logit_scale": True, "gem_max_logit_scale": 100.0,
+    "gem_contrastive_lr_scale": 1.0, "gem_lr_schedule": "cosine", "temperature": 0.1, "dropout": 0.1,
+    "dropout_on": "attention", "pooling": "auto", "data_weights": "", "symmetric_loss": True,
+    "mask_false_negatives": True, "lm_weight": 0.5, "lm_texts": 0, "query_prompt": "q:", "document_prompt": "",
+    "symmetric_sources": "", "matryoshka_dims": "8,16", "grad_cache_chunk": 0, "mntp_p_mask": 0.2,
+    "model": "tiny-llama", "data": "pairs.jsonl", "output_dir": "runs/old", "recipe": "cpu", "method": "contrastive",
+    "init_adapter": "", "continue_adapter": "", "steps": 3, "batch_size": 4, "micro_batch_size": 4, "max_length": 24,
+    "lr": 0.005, "weight_decay": 0.0, "max_grad_norm": 1.0, "alpha": 0.1, "p_mar": 0.0, "p_mar_sampling": "fixed",
+    "p_mrc": 0.5, "train_mask_token": False, "mask_token": "auto", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+    "lora_target_modules": "all-linear", "full_params": False, "mrc_heads": 0, "mrc_intermediate_size": 0,
+    "mrc_input": "corrupted", "mrc_positions": "scaled", "precision": "fp32", "ce_chunk_size": 1024,
+    "gradient_checkpointing": False, "threads": 0, "seed": 0, "save_every": 0, "merge": False,
+}  # fmt: skip
+
+
+def test_an_old_flat_config_json_loads_and_resumes_as_the_nested_one(tmp_path):
+    """Resume reads the run's config.json: one written flat by an earlier version gives the same config (the
+    other methods' options dropped) as the nested one written now, and compares equal to it key by key."""
+    from unimae.methods import ContrastiveOptions
+    from unimae.training.config import flat_values
+
+    old = TrainConfig.from_dict(FLAT_CONFIG)
+    assert isinstance(old.options, ContrastiveOptions) and old.options.matryoshka_dims == "8,16"
+    assert (old.options.temperature, old.options.lm_weight, old.lr) == (0.1, 0.5, 0.005)
+    assert TrainConfig.from_dict(old.to_dict()) == old and old.to_dict()["options"]["query_prompt"] == "q:"
+    (tmp_path / "config.json").write_text(json.dumps(FLAT_CONFIG))
+    assert resolve_config(_parse(["--config", str(tmp_path / "config.json")])) == old
+    old.save(tmp_path / "nested.json")
+    assert resolve_config(_parse(["--config", str(tmp_path / "nested.json"), "--steps", "5"])).steps == 5
+    flat, ours = flat_values(FLAT_CONFIG), old.flat()
+    assert set(ours) - set(flat) == {"init_lora", "device"}  # fields added since: resume compares shared keys
+    assert all(flat[k] == v for k, v in ours.items() if k in flat), "what resume compares: the same values"
+
+
+def test_options_belong_to_their_method():
+    config = resolve_config(_parse(["--method", "gem", "--num-summary-tokens", "3", "--temperature", "0.1"]))
+    assert (config.options.num_summary_tokens, config.options.temperature) == (3, 0.1)
+    with pytest.raises(ValueError, match=r"--method mntp has no options \['p_mar'\]"):
+        TrainConfig(method="mntp", options={"p_mar": 0.5})
+    with pytest.raises(ValueError, match="takes MNTPOptions"):
+        TrainConfig(method="mntp", options=TrainConfig().options)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        TrainConfig.from_dict({"batchsize": 3})
+
+
+def test_a_flag_of_another_method_is_ignored_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="unimae.training.config"):
+        config = resolve_config(_parse(["--method", "mntp", "--temperature", "0.3", "--mntp-p-mask", "0.3"]))
+    assert config.options.mntp_p_mask == 0.3 and "temperature" not in config.flat()
+    assert "--temperature: not options of --method mntp, ignored" in caplog.text

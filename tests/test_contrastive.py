@@ -46,10 +46,12 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _method(tokenizer, **overrides):
+def _method(tokenizer, world_size: int = 1, **overrides):
     values = dict(method="contrastive", max_length=24, batch_size=6, micro_batch_size=6)
     values.update(overrides)
-    return get_method("contrastive")(TrainConfig(**values), Context(tokenizer, 0, EmbeddingSpec()))
+    config = TrainConfig.from_dict(values)
+    config.validate(world_size)  # as the trainer does before it builds the method
+    return get_method("contrastive")(config, Context(tokenizer, 0, EmbeddingSpec()))
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -158,17 +160,15 @@ def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, 
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
 
 
-def test_grad_cache_needs_the_whole_batch_on_one_process(tiny_model_dirs, monkeypatch):
+def test_grad_cache_needs_the_whole_batch_on_one_process(tiny_model_dirs):
     _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     with pytest.raises(ValueError, match="--micro-batch-size equal to --batch-size"):
         _method(tokenizer, batch_size=8, micro_batch_size=4, grad_cache_chunk=2)
     with pytest.raises(ValueError, match=">= 0"):
         _method(tokenizer, grad_cache_chunk=-1)
     _method(tokenizer, batch_size=8, micro_batch_size=4)  # accumulation without the cache is fine
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     with pytest.raises(ValueError, match="one process"):
-        _method(tokenizer, grad_cache_chunk=2)
+        _method(tokenizer, world_size=2, grad_cache_chunk=2)
 
 
 # --- the loss ----------------------------------------------------------------------------------------
@@ -263,8 +263,9 @@ def test_the_options_are_flags():
     add_config_arguments(parser)
     flags = "--method contrastive --data a.jsonl,b.jsonl --data-weights sqrt --symmetric-loss --grad-cache-chunk 16"
     config = resolve_config(parser.parse_args([*flags.split(), "--no-mask-false-negatives", "--temperature", "0.02"]))
-    assert (config.data_weights, config.symmetric_loss, config.grad_cache_chunk) == ("sqrt", True, 16)
-    assert not config.mask_false_negatives and config.temperature == 0.02
+    options = config.options
+    assert (options.data_weights, options.symmetric_loss, options.grad_cache_chunk) == ("sqrt", True, 16)
+    assert not options.mask_false_negatives and options.temperature == 0.02
 
 
 def test_mixture_from_files_weights_and_mixture_files(tmp_path):
@@ -357,8 +358,8 @@ def test_mixture_training_resumes_the_same_loss_curve(tiny_model_dirs, tmp_path)
     for x, y in zip(straight, resumed, strict=True):
         assert x["contrastive"] == pytest.approx(y["contrastive"], rel=1e-5)
         assert x["tokens"] == y["tokens"]
-    config = json.loads((tmp_path / "resumed" / "config.json").read_text())
-    assert config["grad_cache_chunk"] == 3 and config["data_weights"] == "1,1"
+    options = json.loads((tmp_path / "resumed" / "config.json").read_text())["options"]  # the method's, nested
+    assert options["grad_cache_chunk"] == 3 and options["data_weights"] == "1,1"
 
 
 def test_make_pairs_wiki_writes_pairs_the_trainer_reads(tmp_path):

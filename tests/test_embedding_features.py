@@ -156,7 +156,7 @@ def test_continue_adapter_picks_up_its_weights_step_and_data_order(tiny_model_di
     assert [r["step"] for r in log] == [3, 4]
     assert [r["tokens"] for r in log] == [r["tokens"] for r in reference[2:]]
     assert log[0]["loss"] == pytest.approx(reference[2]["loss"], rel=1e-5)
-    assert adapter_meta(cont / "adapter")["trained_steps"] == 4
+    assert adapter_meta(cont / "adapter").trained_steps == 4
     with pytest.raises(ValueError, match="already holds 2 steps"):
         train(_config(tiny, data, tmp_path / "c", steps=2, continue_adapter=str(tmp_path / "a" / "adapter")))
     with pytest.raises(ValueError, match="differ from its run"):
@@ -254,7 +254,7 @@ def test_init_lora_starts_one_lora_where_the_merged_stage_would(tiny_model_dirs,
     assert abs(one[0]["loss"] - fresh[0]["loss"]) > 1e-4  # ...and not the base model's
     adapter = tmp_path / "one" / "adapter"
     assert not (adapter / "init_adapter").exists()
-    assert adapter_meta(adapter)["init_lora"]["revision"] == adapter_revision(str(first))
+    assert adapter_meta(adapter).init_lora_revision == adapter_revision(str(first))
     with pytest.raises(ValueError, match="pass one"):
         train(_config(tiny, data, tmp_path / "both", init_lora=str(first), init_adapter=str(first)))
     with pytest.raises(FileNotFoundError, match="not an adapter folder"):

@@ -66,14 +66,14 @@ def _adapter_with_spec(tiny_dir, directory, spec):
     """A real (fresh) LoRA adapter of ``tiny_dir`` whose unimae.json records ``spec``."""
     from peft import LoraConfig, get_peft_model
 
-    from unimae.adapter import base_fingerprint, write_adapter_meta
+    from unimae.adapter import AdapterMeta, base_fingerprint, write_adapter_meta
     from unimae.models import load_model
 
     model, _, _ = load_model(str(tiny_dir))
     fingerprint = base_fingerprint(model)
     lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     lora.save_pretrained(directory)
-    write_adapter_meta(directory, fingerprint, str(tiny_dir), spec)
+    write_adapter_meta(directory, AdapterMeta(str(tiny_dir), fingerprint, spec))
     return str(directory)
 
 

@@ -86,7 +86,7 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
     otherwise), B scaled by ``scale``, whose unimae.json records ``spec`` and ``meta``."""
     from peft import LoraConfig, get_peft_model
 
-    from unimae.adapter import base_fingerprint, write_adapter_meta
+    from unimae.adapter import AdapterMeta, base_fingerprint, write_adapter_meta
     from unimae.embedding.spec import EmbeddingSpec
     from unimae.models import load_model
 
@@ -100,7 +100,7 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
             if "lora_B" in name:
                 param.mul_(scale)
     lora.save_pretrained(directory)
-    write_adapter_meta(directory, fingerprint, base, spec or EmbeddingSpec(), **(meta or {}))
+    write_adapter_meta(directory, AdapterMeta(base, fingerprint, spec or EmbeddingSpec(), **(meta or {})))
     return str(directory)
 
 

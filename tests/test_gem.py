@@ -20,7 +20,8 @@ from unimae.training.trainer import train
 
 
 def _method(tokenizer, **overrides):
-    config = TrainConfig(method="gem", max_length=32, **overrides)
+    config = TrainConfig.from_dict({"method": "gem", "max_length": 32, **overrides})
+    config.validate()  # as the trainer does before it builds the method
     return get_method("gem")(config, Context(tokenizer, tokenizer.mask_token_id, EmbeddingSpec()))
 
 

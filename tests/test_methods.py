@@ -91,9 +91,9 @@ def test_each_method_overfits_and_records_how_it_embeds(
     first, last = np.mean([r[key] for r in log[:3]]), np.mean([r[key] for r in log[-3:]])
     assert last < first, (method, first, last)
     meta = adapter_meta(result.adapter_dir)
-    assert meta["method"] == method
+    assert meta.method == method
     expected = {"mntp": ("bidirectional", "mean"), "gem": ("gem", "summary")}.get(method, ("causal", "eos"))
-    assert (meta["embedding"]["attention"], meta["embedding"]["pooling"]) == expected
+    assert (meta.embedding.attention, meta.embedding.pooling) == expected
     enc = Encoder.from_pretrained(str(tiny_dir), adapter=str(result.adapter_dir), precision="fp32")
     assert (enc.attention, enc.pooling) == expected
     vectors = enc.encode(SENTENCES[:3])
@@ -129,7 +129,7 @@ def test_mntp_then_simcse_keeps_bidirectional_mean(tiny_model_dirs, small_corpus
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # with and without a BOS
 def test_mntp_collator_masks_only_inner_tokens_and_targets_them(tiny_model_dirs, arch):
     _, tokenizer, _ = load_model(str(tiny_model_dirs[arch]))
-    config = TrainConfig(method="mntp", mntp_p_mask=0.5, max_length=32)
+    config = TrainConfig.from_dict({"method": "mntp", "mntp_p_mask": 0.5, "max_length": 32})
     mask_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else 5
     ctx = Context(tokenizer, mask_id, EmbeddingSpec())
     batch = get_method("mntp")(config, ctx).collate(SENTENCES[:4], [0, 1, 2, 3])
@@ -145,7 +145,7 @@ def test_mntp_collator_masks_only_inner_tokens_and_targets_them(tiny_model_dirs,
 def test_gem_collator_inserts_summary_tokens_in_some_rows(tiny_model_dirs):
     _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
     ids = summary_tokens(tokenizer, 2)
-    config = TrainConfig(method="gem", num_summary_tokens=2, gem_plain_share=0.5, max_length=32)
+    config = TrainConfig.from_dict({"method": "gem", "num_summary_tokens": 2, "gem_plain_share": 0.5, "max_length": 32})
     ctx = Context(tokenizer, tokenizer.mask_token_id, EmbeddingSpec())
     batch = get_method("gem")(config, ctx).collate(SENTENCES, list(range(len(SENTENCES))))
     with_summary = batch["summary"].any(1)
@@ -167,7 +167,7 @@ def test_contrastive_data_errors(tmp_path, tiny_model_dirs):
     with pytest.raises(ValueError, match="micro_batch_size must be >= 2"):
         TrainConfig(method="simcse", micro_batch_size=1, batch_size=4).validate()
     with pytest.raises(ValueError, match="dropout_on"):
-        TrainConfig(method="simcse", dropout_on="hidden").validate()
+        TrainConfig.from_dict({"method": "simcse", "dropout_on": "hidden"}).validate()
 
 
 def test_domain_post_training_mode_trains_all_weights(tiny_model_dirs, small_corpus, tmp_path):

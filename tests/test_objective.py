@@ -59,6 +59,7 @@ def test_loss_decreases_when_overfitting(tiny_dir):
 def test_train_mask_token_trains_only_that_embedding_row(tiny_model_dirs, tmp_path):
     from unimae.adapter import load_with_adapter
     from unimae.embedding.tokenization import choose_mask_token
+    from unimae.methods import UniMAEOptions
     from unimae.models import load_model
     from unimae.training.config import TrainConfig
     from unimae.training.trainer import train
@@ -68,7 +69,8 @@ def test_train_mask_token_trains_only_that_embedding_row(tiny_model_dirs, tmp_pa
     corpus.write_text("\n".join(SENTENCES[:4]) + "\n")
     config = TrainConfig(
         model=tiny, data=str(corpus), output_dir=str(tmp_path / "run"), steps=3, batch_size=4, micro_batch_size=4,
-        max_length=24, save_every=0, precision="fp32", lora_r=4, lora_alpha=8, lr=1e-2, train_mask_token=True,
+        max_length=24, save_every=0, precision="fp32", lora_r=4, lora_alpha=8, lr=1e-2,
+        options=UniMAEOptions(train_mask_token=True),
     )  # fmt: skip
     result = train(config)
     base, tokenizer, _ = load_model(tiny, dtype=torch.float32)

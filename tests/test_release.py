@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from test_contrastive import _config, _records, _write
 
+from unimae.adapter import AdapterMeta, adapter_meta
 from unimae.cli import main
 from unimae.encoder import Encoder
 from unimae.release import card_scores, make_release, resolve_adapter
@@ -43,8 +44,8 @@ def test_a_release_is_bf16_found_by_name_and_embeds_as_its_adapter(tiny_model_di
     expected = {task: _task_result(dev, task) for task in ("STS17", "SciFact")}
     shutil.copy(SCORED / "run.json", dev / "run.json")
     with pytest.raises(ValueError, match="not of the adapter released"):  # another adapter's results
-        build_card(CardInputs("x", tmp_path, dev), {}, revision="0123456789ab")
-    card = build_card(CardInputs("tiny-retriever", tmp_path, dev), json.loads((adapter / "unimae.json").read_text()))
+        build_card(CardInputs("x", tmp_path, dev), AdapterMeta(), revision="0123456789ab")
+    card = build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(adapter))
     out = make_release(adapter, "tiny-retriever", tmp_path / "releases", card=card)
     weights = load_file(out / "adapter_model.safetensors")
     assert weights and all(v.dtype == torch.bfloat16 for v in weights.values())

@@ -94,4 +94,4 @@ def test_impossible_numbers_are_named(field, value):
     """Before: --threads -2 was a RuntimeError traceback after loading the model, --ce-chunk-size 0 a
     'range() arg 3 must not be zero' in the first step, and negative --save-every / --alpha were accepted."""
     with pytest.raises(ValueError, match=f"{field} must be >= "):
-        TrainConfig(**{field: value}).validate()
+        TrainConfig.from_dict({field: value}).validate()

@@ -30,7 +30,7 @@ def _config(tiny_dir, corpus_file, out, **overrides):
         p_mar=0.5,  # the paper's rate, so resume and logs are tested with masking on
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_dict(values)
 
 
 def _log(out):

@@ -1,8 +1,8 @@
 """Save and load trained adapters, with a fingerprint of the base model they belong to.
 
 An adapter directory is a plain PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)
-plus ``unimae.json``: the base model's fingerprint, the :class:`EmbeddingSpec` it was trained for
-(key ``embedding``) and the resolved training config. Loading an adapter onto a different base model
+plus ``unimae.json`` (:class:`AdapterMeta`): the base model's fingerprint, the :class:`EmbeddingSpec` it was trained
+for (key ``embedding``) and the resolved training config. Loading an adapter onto a different base model
 fails with a message saying which one it needs; a damaged adapter file (unreadable, or holding NaN or infinite
 weights) fails with a message naming it.
 :func:`load_with_adapter` is the one way to get "base model + adapter (+ merged)". An adapter that trains
@@ -13,11 +13,14 @@ them after the fingerprint check (which reads the unresized base), and its own t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,12 +51,91 @@ def base_fingerprint(model) -> str:
     return digest.hexdigest()[:24]
 
 
-def write_adapter_meta(
-    directory: str | Path, fingerprint: str, model_spec: str, embedding: EmbeddingSpec, **extra
-) -> None:
-    """Write ``unimae.json``: base model, its fingerprint, the embedding spec and ``extra`` fields."""
-    meta = {"base_model": model_spec, "base_fingerprint": fingerprint, "embedding": embedding.to_dict(), **extra}
-    atomic_write_json(Path(directory) / ADAPTER_META, meta)
+@dataclass(frozen=True)
+class ReleaseInfo:
+    """``release`` in a released adapter's ``unimae.json`` (written by ``unimae release``)."""
+
+    name: str = ""
+    weights_dtype: str = ""
+    source_revision: str = ""  # adapter_revision of the fp32 adapter it was made from
+
+
+@dataclass(frozen=True)
+class AdapterMeta:
+    """``unimae.json``, what an adapter folder holds beside its PEFT files: the base model it belongs to, how it
+    embeds and how it was trained.
+
+    :meth:`from_dict` reads the files of every version: the first ones' top-level ``pooling`` becomes the
+    ``embedding``, and keys it does not know are kept in ``extra`` (and written back by :meth:`to_dict`)."""
+
+    base_model: str = field(default="", metadata={"help": "The --model it was trained on."})
+    base_fingerprint: str = field(default="", metadata={"help": "base_fingerprint of that model ('': unchecked)."})
+    embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec, metadata={"help": "How it embeds."})
+    trained_steps: int | None = field(default=None, metadata={"help": "Optimizer steps it holds."})
+    mask_token: str | None = field(default=None, metadata={"help": "The mask token its run chose."})
+    method: str | None = field(default=None, metadata={"help": "The --method that trained it."})
+    init_adapter: str | None = field(
+        default=None, metadata={"help": "Folder (inside this one) of the stage-1 adapter to merge into the base first."}
+    )
+    init_lora_revision: str | None = field(
+        default=None, metadata={"help": "--init-lora: the revision of the adapter whose LoRA it started from."}
+    )
+    training_config: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainConfig.to_dict() of its run (flat in older files)."}
+    )
+    continued_from_step: int | None = field(
+        default=None, metadata={"help": "--continue-adapter: the step the adapter it continued held."}
+    )
+    release: ReleaseInfo | None = field(default=None, metadata={"help": "Set in a release folder."})
+    extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Keys this version does not know."})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; fields that are unset (None, empty) are left out."""
+        optional = {
+            "trained_steps": self.trained_steps,
+            "mask_token": self.mask_token,
+            "method": self.method,
+            "init_adapter": self.init_adapter,
+            "init_lora": None if self.init_lora_revision is None else {"revision": self.init_lora_revision},
+            "training_config": self.training_config or None,
+            "continued_from": None if self.continued_from_step is None else {"step": self.continued_from_step},
+            "release": None if self.release is None else dataclasses.asdict(self.release),
+        }
+        out = {"base_model": self.base_model, "base_fingerprint": self.base_fingerprint}
+        out["embedding"] = self.embedding.to_dict()
+        return {**out, **{k: v for k, v in optional.items() if v is not None}, **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> AdapterMeta:
+        """Inverse of :meth:`to_dict`, for the files of every version (``None``/``{}``: an empty record)."""
+        data = dict(data or {})
+        if "embedding" not in data and "pooling" in data:  # the first version: causal attention, this pooling
+            data["embedding"] = {"pooling": data.pop("pooling")}
+        continued, release = data.pop("continued_from", None), data.pop("release", None)
+        init_lora = data.pop("init_lora", None)
+        plain = ("base_model", "base_fingerprint", "trained_steps", "mask_token", "method", "init_adapter")
+        return cls(
+            **{name: data.pop(name) for name in plain if name in data},
+            embedding=EmbeddingSpec.from_dict(data.pop("embedding", None)),
+            training_config=dict(data.pop("training_config", None) or {}),
+            init_lora_revision=init_lora.get("revision") if isinstance(init_lora, Mapping) else None,
+            continued_from_step=continued.get("step") if isinstance(continued, Mapping) else None,
+            release=_release_info(release),
+            extra=data,  # what is left: keys this version does not know
+        )
+
+
+def _release_info(data) -> ReleaseInfo | None:
+    """``release`` of a unimae.json (its known keys) as a ReleaseInfo; None without one."""
+    if not isinstance(data, Mapping):
+        return None
+    names = {f.name for f in dataclasses.fields(ReleaseInfo)}
+    return ReleaseInfo(**{k: str(v) for k, v in data.items() if k in names})
+
+
+def write_adapter_meta(directory: str | Path, meta: AdapterMeta) -> None:
+    """Write ``meta`` as the ``unimae.json`` of the adapter folder ``directory``, atomically."""
+    atomic_write_json(Path(directory) / ADAPTER_META, meta.to_dict())
 
 
 @contextlib.contextmanager
@@ -76,15 +158,14 @@ def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
         )
     config = read_json(directory / "adapter_config.json", "adapter config")  # a clear error before peft parses it
     meta = adapter_meta(directory)
-    expected = meta.get("base_fingerprint")
-    if expected and expected != base_fingerprint(model):
+    if meta.base_fingerprint and meta.base_fingerprint != base_fingerprint(model):
         raise ValueError(
-            f"adapter {directory} was trained on base model {meta.get('base_model')!r}, not on the model "
-            f"loaded here; pass --model {meta.get('base_model')}"
+            f"adapter {directory} was trained on base model {meta.base_model!r}, not on the model "
+            f"loaded here; pass --model {meta.base_model}"
         )
-    if meta.get("init_adapter"):  # stage 2 trained on base + stage 1: merge stage 1 in fp32 first
+    if meta.init_adapter:  # stage 2 trained on base + stage 1: merge stage 1 in fp32 first
         dtype = next(model.parameters()).dtype
-        model = attach_adapter(model.float(), directory / meta["init_adapter"]).merge_and_unload().to(dtype)
+        model = attach_adapter(model.float(), directory / meta.init_adapter).merge_and_unload().to(dtype)
     rows = trained_token_rows(config)
     if rows:  # rows of tokens the training added (GEM's summary tokens): grow the base as training did
         grow_vocabulary(model, max(rows) + 1)
@@ -204,14 +285,12 @@ def model_revision(model: str) -> str | None:
     return digest.hexdigest()[:12]
 
 
-def adapter_meta(adapter: str | Path | None) -> dict:
-    """The unimae.json written next to an adapter by `unimae train` ({} without one)."""
-    if adapter is None:
-        return {}
-    path = Path(adapter) / ADAPTER_META
-    return read_json(path, "adapter metadata") if path.is_file() else {}
+def adapter_meta(adapter: str | Path | None) -> AdapterMeta:
+    """The unimae.json written next to an adapter by `unimae train` (an empty AdapterMeta without one)."""
+    path = None if adapter is None else Path(adapter) / ADAPTER_META
+    return AdapterMeta.from_dict(read_json(path, "adapter metadata") if path and path.is_file() else None)
 
 
 def embedding_spec(adapter: str | Path | None) -> EmbeddingSpec:
     """How an adapter embeds (causal attention + eos pooling without an adapter or a recorded spec)."""
-    return EmbeddingSpec.from_dict(adapter_meta(adapter).get("embedding"))
+    return adapter_meta(adapter).embedding

@@ -13,6 +13,7 @@ directory (the folders of ``$UNIMAE_RELEASES``, ``:``-separated, are searched fi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -20,8 +21,16 @@ from pathlib import Path
 
 import torch
 
-from unimae.adapter import ADAPTER_META, INIT_ADAPTER, adapter_meta, adapter_revision
-from unimae.files import atomic_write_json, atomic_write_text, read_json
+from unimae.adapter import (
+    ADAPTER_META,
+    INIT_ADAPTER,
+    AdapterMeta,
+    ReleaseInfo,
+    adapter_meta,
+    adapter_revision,
+    write_adapter_meta,
+)
+from unimae.files import atomic_write_text, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +93,10 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     from safetensors.torch import load_file, save_file
 
     source = Path(adapter)
-    meta = adapter_meta(source)
-    if not meta:
+    if not (source / ADAPTER_META).is_file():
         raise FileNotFoundError(f"{source} has no {ADAPTER_META}: pass an adapter folder written by `unimae train`")
-    if meta.get("init_adapter") or (source / INIT_ADAPTER).exists():
+    meta = adapter_meta(source)
+    if meta.init_adapter or (source / INIT_ADAPTER).exists():
         raise ValueError(f"{source} was trained on top of an init adapter; a release is one LoRA on the base model")
     weights = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(source / "adapter_model.safetensors").items()}
     size = sum(v.numel() * v.element_size() for v in weights.values())
@@ -99,8 +108,8 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     partial.mkdir(parents=True)
     save_file(weights, partial / "adapter_model.safetensors", metadata={"format": "pt"})
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
-    release = {"name": name, "weights_dtype": "bfloat16", "source_revision": adapter_revision(source)}
-    atomic_write_json(partial / ADAPTER_META, {**meta, "release": release})
+    release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=adapter_revision(source))
+    write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
     if out.exists():
         shutil.rmtree(out)
@@ -108,9 +117,9 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     return out
 
 
-def release_meta(release: str | Path) -> dict:
-    """The ``unimae.json`` of a release folder."""
-    return read_json(Path(release) / ADAPTER_META, "release metadata")
+def release_meta(release: str | Path) -> AdapterMeta:
+    """The ``unimae.json`` of a release folder (an error when it has none)."""
+    return AdapterMeta.from_dict(read_json(Path(release) / ADAPTER_META, "release metadata"))
 
 
 def card_scores(card: str) -> dict[str, float]:

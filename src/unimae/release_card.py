@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import shlex
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from unimae.embedding.spec import EmbeddingSpec
+from unimae.adapter import AdapterMeta
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
-from unimae.training.config import TrainConfig
+from unimae.training.config import TrainConfig, flag_defaults, flat_values
 
 # The base models of the offline short names: the Hugging Face ids and licences a card names.
 BASE_MODELS = {
@@ -56,7 +56,7 @@ class CardInputs:
     command: str = ""  # the recipe command that trained it
 
 
-def build_card(inputs: CardInputs, meta: dict, revision: str | None = None) -> str:
+def build_card(inputs: CardInputs, meta: AdapterMeta, revision: str | None = None) -> str:
     """The whole card: YAML front matter, then the sections. ``revision``: the released adapter's (its fp32
     weights' content hash); the dev results must be that adapter's, or the card would describe another model."""
     check_results_belong(inputs.dev_results, revision)
@@ -101,10 +101,10 @@ def _main_score(result: dict) -> float:
     return float(scores[split][0]["main_score"]) * 100
 
 
-def _front_matter(name: str, meta: dict, tasks: dict[str, dict], folder: Path) -> str:
+def _front_matter(name: str, meta: AdapterMeta, tasks: dict[str, dict], folder: Path) -> str:
     import yaml
 
-    model = meta.get("base_model", "")
+    model = meta.base_model
     hub_id, licence, _ = BASE_MODELS.get(model, (model, "other", "the base model's"))
     results = []
     for task, data in tasks.items():
@@ -126,9 +126,8 @@ def _front_matter(name: str, meta: dict, tasks: dict[str, dict], folder: Path) -
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
 
 
-def _intro(name: str, meta: dict) -> str:
-    spec = EmbeddingSpec.from_dict(meta.get("embedding"))
-    model = meta.get("base_model", "")
+def _intro(name: str, meta: AdapterMeta) -> str:
+    spec, model = meta.embedding, meta.base_model
     _, _, licence = BASE_MODELS.get(model, (model, "", "the base model's"))
     prompts = "".join(f"- prompt `{k}`: `{v!r}`\n" for k, v in spec.prompts) or "- no prompts\n"
     dims = ", ".join(map(str, spec.matryoshka_dims)) or "none (full size only)"
@@ -145,8 +144,8 @@ contrastive stage with a next-token term); weights stored in bf16.
 """
 
 
-def _usage(name: str, meta: dict) -> str:
-    model = meta.get("base_model", "MODEL")
+def _usage(name: str, meta: AdapterMeta) -> str:
+    model = meta.base_model or "MODEL"
     return f"""## Use
 
 ```python
@@ -238,8 +237,8 @@ def _rag_lines(inputs: CardInputs) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def _training(inputs: CardInputs, meta: dict) -> str:
-    config = meta.get("training_config", {})
+def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
+    config = flat_values(meta.training_config)
     seconds = sum(_log_seconds(p) for p in inputs.train_logs)
     cpus = sorted({c for p in inputs.train_logs for c in _log_cpus(p)})
     sources = [Path(p).name.removesuffix(".jsonl") for p in str(config.get("data", "")).split(",") if p]
@@ -250,7 +249,7 @@ def _training(inputs: CardInputs, meta: dict) -> str:
 {inputs.command or train_command(config)}
 ```
 
-- Steps: {meta.get("trained_steps")} of {config.get("batch_size")} pairs; wall time {seconds / 3600:.1f} h of
+- Steps: {meta.trained_steps} of {config.get("batch_size")} pairs; wall time {seconds / 3600:.1f} h of
   training steps ({", ".join(cpus) or "CPU not recorded"}; 2 CPU cores).
 - Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
 
@@ -260,8 +259,10 @@ def _training(inputs: CardInputs, meta: dict) -> str:
 
 
 def train_command(config: dict) -> str:
-    """``unimae train`` with the flags of ``config`` that differ from the defaults."""
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    """``unimae train`` with the flags of ``config`` (a saved TrainConfig: nested, or flat as older runs saved it)
+    that differ from the defaults of its method (the other methods' options of a flat one are left out)."""
+    config = flat_values(config)
+    defaults = flag_defaults(config.get("method", TrainConfig.method))
     flags = []
     for key, value in config.items():
         if key in defaults and value != defaults[key] and key not in ("output_dir", "threads", "device"):
@@ -292,7 +293,7 @@ def _log_cpus(path: Path) -> list[str]:
     return [cpu] if cpu else []
 
 
-def _limits(meta: dict) -> str:
+def _limits(meta: AdapterMeta) -> str:
     return """## Intended use and limits
 
 - English retrieval and sentence similarity for RAG and search, from a small model that also answers; trained

@@ -18,6 +18,6 @@ def _models(args: argparse.Namespace) -> int:
     for name, entry in OFFLINE_MODELS.items():
         print(f"{name:22s} {entry.description}  [online: {entry.hub_id}]")
     for name in available_releases():
-        base = release_meta(resolve_adapter(name)).get("base_model")
+        base = release_meta(resolve_adapter(name)).base_model
         print(f"{name:22s} released adapter for {base} (--adapter {name})")
     return 0

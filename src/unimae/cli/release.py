@@ -51,7 +51,7 @@ def _release(args: argparse.Namespace) -> int:
     )
     if args.card_only:
         meta = release_meta(inputs.release)
-        card = build_card(inputs, meta, meta.get("release", {}).get("source_revision"))
+        card = build_card(inputs, meta, meta.release.source_revision if meta.release else None)
         (inputs.release / "README.md").write_text(card, encoding="utf-8")
         print(f"wrote the model card of {inputs.release}")
         return 0

@@ -95,7 +95,7 @@ def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path,
 
 def adapter_stages(adapter: Path) -> list[Path]:
     """The adapter directories whose deltas add up to ``adapter``'s model: its ``init_adapter`` chain, then it."""
-    init = adapter_meta(adapter).get("init_adapter")
+    init = adapter_meta(adapter).init_adapter
     return [*(adapter_stages(adapter / init) if init else []), adapter]
 
 

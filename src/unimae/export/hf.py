@@ -13,6 +13,7 @@ from unimae.adapter import ADAPTER_META, adapter_meta
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.export.base import merged_model, save_merged
 from unimae.files import atomic_write_json, writing
+from unimae.training.config import flat_values
 
 _CARD_KEYS = ("method", "recipe", "steps", "batch_size", "max_length", "lr", "alpha", "p_mar", "p_mrc", "lora_r")
 _CARD_KEYS += ("lora_alpha", "data")
@@ -33,7 +34,7 @@ def _usage(spec: EmbeddingSpec, fmt: str) -> str:
 
 
 def _model_card(model: str, adapter: str | None, fmt: str, spec: EmbeddingSpec) -> str:
-    cfg = adapter_meta(adapter).get("training_config", {})
+    cfg = flat_values(adapter_meta(adapter).training_config)
     recipe = ", ".join(f"{k}={cfg[k]}" for k in _CARD_KEYS if k in cfg) or "base model, no adapter"
     return f"""---
 library_name: {"sentence-transformers" if fmt == "sentence-transformers" else "transformers"}

@@ -12,15 +12,33 @@ contrastive    InfoNCE, in-batch + hard negatives      (query, positive    the i
 gem            (1 - a) NTP + a InfoNCE, summary tokens text                gem, summary
 =============  ======================================  ==================  ===============
 
-The adapter records how it embeds (its :class:`~unimae.embedding.spec.EmbeddingSpec`, ``embedding`` in
-unimae.json), so ``Encoder.from_pretrained(..., adapter)`` uses the right attention and pooling. Add a
-method with a new module here and ``@register_method``.
+Each module also holds its method's options (``UniMAEOptions``, ``GEMOptions``, ...; shared ones in
+:mod:`unimae.methods.options`), nested in ``TrainConfig.options``. The adapter records how it embeds (its
+:class:`~unimae.embedding.spec.EmbeddingSpec`, ``embedding`` in unimae.json), so
+``Encoder.from_pretrained(..., adapter)`` uses the right attention and pooling. Add a method with a new module
+here and ``@register_method``.
 """
 
 from unimae.methods import contrastive, gem, mntp, simcse, unimae  # noqa: F401  (registers the methods)
 from unimae.methods.base import Context, Method
-from unimae.methods.contrastive import load_pairs
-from unimae.methods.gem import summary_tokens
+from unimae.methods.contrastive import ContrastiveOptions, load_pairs
+from unimae.methods.gem import GEMOptions, summary_tokens
+from unimae.methods.mntp import MNTPOptions
 from unimae.methods.registry import METHOD_REGISTRY, get_method, register_method
+from unimae.methods.simcse import SimCSEOptions
+from unimae.methods.unimae import UniMAEOptions
 
-__all__ = ["METHOD_REGISTRY", "Context", "Method", "get_method", "load_pairs", "register_method", "summary_tokens"]
+__all__ = [
+    "METHOD_REGISTRY",
+    "Context",
+    "ContrastiveOptions",
+    "GEMOptions",
+    "MNTPOptions",
+    "Method",
+    "SimCSEOptions",
+    "UniMAEOptions",
+    "get_method",
+    "load_pairs",
+    "register_method",
+    "summary_tokens",
+]

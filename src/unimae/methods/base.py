@@ -1,6 +1,8 @@
 """The contract of a training method: what it trains on, how it batches, what it optimizes, how it embeds.
 
-A :class:`Method` is built once per run from the resolved config and a :class:`Context`; the trainer asks it,
+A :class:`Method` names its options class (``options_class``, a :class:`~unimae.training.config.MethodOptions`
+subclass that ``TrainConfig.options`` holds: the method's flags, recipe values and checks). It is built once per run
+from the resolved, validated config and a :class:`Context`; the trainer asks it,
 in this order: ``load_data()`` (the examples), ``lora_dropout`` / ``attention_dropout`` (while building the
 LoRA model), ``prepare_model(model)`` and ``lora_extra()`` (the base model before LoRA, extra LoRA
 fields), ``build_objective(llm)`` (the :class:`~unimae.losses.objective.Objective` nn.Module to
@@ -25,10 +27,10 @@ from unimae.data.corpus import load_texts
 from unimae.data.order import DataOrder
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
+from unimae.training.config import MethodOptions, TrainConfig
 
 if TYPE_CHECKING:
     from unimae.losses.objective import Objective
-    from unimae.training.config import TrainConfig
 
 
 @dataclass
@@ -41,12 +43,19 @@ class Context:
 
 
 class Method:
-    """Base class; subclasses set ``name`` and implement ``build_objective``, ``collate``, ``embedding_spec``."""
+    """Base class; subclasses set ``name`` (and ``options_class`` when they have options) and implement
+    ``build_objective``, ``collate``, ``embedding_spec``."""
 
     name: ClassVar[str]
+    options_class: ClassVar[type[MethodOptions]] = MethodOptions
 
     def __init__(self, config: TrainConfig, ctx: Context):
         self.config, self.ctx = config, ctx
+
+    @property
+    def options(self) -> MethodOptions:
+        """This method's options (``config.options``)."""
+        return self.config.options
 
     def load_data(self) -> list:
         """The training examples (texts by default; ``collate`` receives a slice of them)."""
@@ -92,7 +101,8 @@ class Method:
 
 
 class ViewDropoutMixin:
-    """simcse and gem: two views of a text differ by dropout, acting where ``--dropout-on`` says.
+    """simcse and gem: two views of a text differ by dropout (``--dropout``, options
+    :class:`~unimae.methods.options.DropoutViewOptions`), acting where ``--dropout-on`` says.
 
     Attention dropout by default (as LLM2Vec): a fresh LoRA has B = 0, so LoRA dropout alone leaves the
     two views identical until the first update.
@@ -102,11 +112,13 @@ class ViewDropoutMixin:
 
     @property
     def lora_dropout(self) -> float:
-        return self.config.dropout if self.config.dropout_on == "lora" else self.config.lora_dropout
+        o = self.config.options
+        return o.dropout if o.dropout_on == "lora" else self.config.lora_dropout
 
     @property
     def attention_dropout(self) -> float:
-        return self.config.dropout if self.config.dropout_on == "attention" else 0.0
+        o = self.config.options
+        return o.dropout if o.dropout_on == "attention" else 0.0
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,33 +28,120 @@ from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.methods.base import Context, Method, pooled_batch
+from unimae.methods.options import InfoNCEOptions, pooling_field
 from unimae.methods.registry import register_method
 from unimae.methods.simcse import init_spec_with_pooling
+from unimae.training.config import TrainConfig
 
-if TYPE_CHECKING:
-    from unimae.training.config import TrainConfig
-
-__all__ = ["Contrastive", "load_pairs"]
+__all__ = ["Contrastive", "ContrastiveOptions", "load_pairs"]
 
 logger = logging.getLogger(__name__)
 
 
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+@dataclass
+class ContrastiveOptions(InfoNCEOptions):
+    """Supervised InfoNCE on pairs: data mixture, loss variants, the next-token term, prompts, Matryoshka
+    dimensions and the gradient cache."""
 
+    pooling: str = pooling_field()
+    data_weights: str = field(
+        default="",
+        metadata={
+            "help": "--data may list several JSONL files (comma-separated) or be a .yaml/.json mixture file "
+            "([{path, weight}, ...]); every batch is drawn from one of them with these sampling weights: one "
+            "number per file (comma-separated), 'size' (proportional to its pairs), 'sqrt', or empty (the mixture "
+            "file's weights, else 'size')."
+        },
+    )
+    symmetric_loss: bool = field(
+        default=False,
+        metadata={"help": "Symmetric InfoNCE, the mean of query -> positives and positive -> queries."},
+    )
+    mask_false_negatives: bool = field(
+        default=True,
+        metadata={
+            "help": "Leave a batch's known false negatives out of the softmax (rows sharing a query or a positive, "
+            "reversed paraphrase pairs)."
+        },
+    )
+    lm_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Add this weight x the next-token loss of the pairs' positives to InfoNCE (GritLM's joint "
+            "objective, on the positives' own text), so the adapter keeps generating; 0: off. Costs an output-head "
+            "pass over the positives' tokens."
+        },
+    )
+    lm_texts: int = field(
+        default=0,
+        metadata={
+            "help": "With --lm-weight: the next-token loss on the first N positives of each batch only (0: all); the "
+            "output head over a 262k vocabulary makes scoring all 256 of a batch costly (docs/methods.md)."
+        },
+    )
+    query_prompt: str = field(
+        default="",
+        metadata={
+            "help": "Text prefix of the queries of asymmetric sources (all sources but --symmetric-sources), saved "
+            "as the adapter's 'query' prompt (Encoder.encode_query, mteb's query prompt, the server's "
+            "input_type=query); empty: no prompts."
+        },
+    )
+    document_prompt: str = field(
+        default="",
+        metadata={
+            "help": "Text prefix of the positives and negatives of asymmetric sources, saved as the adapter's "
+            "'document' prompt; empty: documents embed as they are."
+        },
+    )
+    symmetric_sources: str = field(
+        default="",
+        metadata={
+            "help": "--data sources (file names without .jsonl, comma-separated) whose pairs are symmetric "
+            "(paraphrase, NLI): neither side gets a prompt, as texts embed outside retrieval."
+        },
+    )
+    matryoshka_dims: str = field(
+        default="",
+        metadata={
+            "help": "Also train these prefix sizes of the embedding to stand alone (comma-separated, e.g. "
+            "64,128,256): InfoNCE summed over the full vector and each truncated, re-normalised prefix "
+            "(sentence-transformers' MatryoshkaLoss, weights 1); empty: off."
+        },
+    )
+    grad_cache_chunk: int = field(
+        default=0,
+        metadata={
+            "help": "Gradient cache, embedding the batch in chunks of N texts (0: off), so a large batch needs one "
+            "chunk's memory; needs --micro-batch-size equal to --batch-size (in-batch negatives span the whole "
+            "batch) and one process."
+        },
+    )
 
-@register_method
-class Contrastive(Method):
-    """Batches: rows = B queries, B positives, then the hard negatives; ``num_queries`` = B;
-    ``false_negatives`` (B, B + K) bool when ``--mask-false-negatives``."""
+    @property
+    def negatives_span_batch(self) -> bool:
+        return self.grad_cache_chunk > 0
 
-    name = "contrastive"
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """``--matryoshka-dims`` as sorted integers."""
+        return parse_dims(self.matryoshka_dims)
 
-    def __init__(self, config: TrainConfig, ctx: Context):
-        super().__init__(config, ctx)
-        self.mixture: Mixture | None = None
-        chunk = config.grad_cache_chunk
+    @property
+    def symmetric(self) -> set[str]:
+        """The ``--symmetric-sources`` names."""
+        return {name.strip() for name in self.symmetric_sources.split(",") if name.strip()}
+
+    def check(self, config: TrainConfig, world_size: int) -> None:
+        super().check(config, world_size)
+        for name in ("lm_weight", "lm_texts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        parse_dims(self.matryoshka_dims)  # a ValueError naming --matryoshka-dims
+        self._check_grad_cache(config, world_size)
+
+    def _check_grad_cache(self, config: TrainConfig, world_size: int) -> None:
+        chunk = self.grad_cache_chunk
         if chunk < 0:
             raise ValueError(f"--grad-cache-chunk must be >= 0 (0 = off), got {chunk}")
         if chunk and config.micro_batch_size != config.batch_size:
@@ -63,20 +150,30 @@ class Contrastive(Method):
                 f"{config.micro_batch_size}): the gradient cache is what splits the batch, and in-batch negatives "
                 "must span the whole batch"
             )
-        if chunk and _world_size() > 1:
+        if chunk and world_size > 1:
             raise ValueError(
                 "--grad-cache-chunk runs on one process: split over processes, each would see only its shard's "
                 "negatives and run several backward passes per step under DDP; drop the launcher (use --threads) "
                 "or set --grad-cache-chunk 0"
             )
 
-        self.matryoshka_dims = parse_dims(config.matryoshka_dims)
-        self.symmetric = {name.strip() for name in config.symmetric_sources.split(",") if name.strip()}
+
+@register_method
+class Contrastive(Method):
+    """Batches: rows = B queries, B positives, then the hard negatives; ``num_queries`` = B;
+    ``false_negatives`` (B, B + K) bool when ``--mask-false-negatives``."""
+
+    name = "contrastive"
+    options_class = ContrastiveOptions
+
+    def __init__(self, config: TrainConfig, ctx: Context):
+        super().__init__(config, ctx)
+        self.mixture: Mixture | None = None
 
     def load_data(self) -> list[dict]:
-        self.mixture = load_mixture(self.config.data, self.config.data_weights, self.config.batch_size)
+        self.mixture = load_mixture(self.config.data, self.options.data_weights, self.config.batch_size)
         names = {source.name for source in self.mixture.sources}
-        unknown = sorted(self.symmetric - names)
+        unknown = sorted(self.options.symmetric - names)
         if unknown:
             raise ValueError(
                 f"--symmetric-sources names {unknown}, which are not among the --data sources {sorted(names)}"
@@ -91,13 +188,13 @@ class Contrastive(Method):
         return self.mixture.order(self.config.batch_size, seed)
 
     def build_objective(self, llm):
-        c = self.config
-        args = (llm, c.temperature, self.embedding_spec().attention, c.symmetric_loss)
-        kwargs = {"lm_weight": c.lm_weight, "lm_texts": c.lm_texts, "ce_chunk_size": c.ce_chunk_size}
-        if self.matryoshka_dims:
-            kwargs["matryoshka_dims"] = self.matryoshka_dims
-        if c.grad_cache_chunk:
-            return GradCacheContrastiveObjective(*args, chunk_size=c.grad_cache_chunk, **kwargs)
+        o = self.options
+        args = (llm, o.temperature, self.embedding_spec().attention, o.symmetric_loss)
+        kwargs = {"lm_weight": o.lm_weight, "lm_texts": o.lm_texts, "ce_chunk_size": self.config.ce_chunk_size}
+        if o.dims:
+            kwargs["matryoshka_dims"] = o.dims
+        if o.grad_cache_chunk:
+            return GradCacheContrastiveObjective(*args, chunk_size=o.grad_cache_chunk, **kwargs)
         return ContrastiveObjective(*args, **kwargs)
 
     def collate(self, records, indices):
@@ -105,7 +202,7 @@ class Contrastive(Method):
         texts = [query + r["query"] for r in records] + [document + r["positive"] for r in records]
         texts += [document + r["negative"] for r in records if r.get("negative")]
         extra = {"num_queries": len(records)}
-        if self.config.mask_false_negatives:
+        if self.options.mask_false_negatives:
             rows, negatives = pair_groups(list(records))
             groups, candidates = torch.tensor(rows), torch.tensor(rows + negatives)
             extra["false_negatives"] = groups[:, None] == candidates[None, :]  # (B, B + K); diagonal kept by info_nce
@@ -113,16 +210,17 @@ class Contrastive(Method):
 
     def _prompts(self, sources) -> tuple[str, str]:
         """(query prefix, document prefix) of a batch: '' for a symmetric source's pairs (a batch is one source)."""
-        if set(sources) & self.symmetric:
+        if set(sources) & self.options.symmetric:
             return "", ""
-        return self.config.query_prompt, self.config.document_prompt
+        return self.options.query_prompt, self.options.document_prompt
 
     def embedding_spec(self) -> EmbeddingSpec:
-        spec = init_spec_with_pooling(self.config, self.ctx)
+        o = self.options
+        spec = init_spec_with_pooling(o.pooling, self.ctx)
         prompts = {**spec.prompt_map}
-        if self.config.query_prompt or self.config.document_prompt:
-            prompts.update(query=self.config.query_prompt, document=self.config.document_prompt)
-        dims = self.matryoshka_dims or spec.matryoshka_dims
+        if o.query_prompt or o.document_prompt:
+            prompts.update(query=o.query_prompt, document=o.document_prompt)
+        dims = o.dims or spec.matryoshka_dims
         return dataclasses.replace(spec, prompts=tuple(prompts.items()), matryoshka_dims=dims)
 
 

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from unimae.adapter import (
     INIT_ADAPTER,
+    AdapterMeta,
     adapter_meta,
     adapter_revision,
     attach_adapter,
@@ -55,7 +56,7 @@ from unimae.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from unimae.training.config import TrainConfig
+from unimae.training.config import TrainConfig, flat_values
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, finge
                 f"checkpoint in {out} does not match this configuration ({problem} such as {names[:3]}); "
                 "resume with the run's own config.json"
             )
-    saved, ours = state.get("config", {}), config.to_dict()
+    saved, ours = flat_values(state.get("config", {})), config.flat()  # older runs saved it flat
     changed = [
         f"{k} {saved[k]!r} -> {ours[k]!r}"
         for k in sorted((saved.keys() & ours.keys()) - _RESUME_MAY_CHANGE)
@@ -290,7 +291,7 @@ def continued_step(config: TrainConfig) -> int:
     """The step ``--continue-adapter``'s adapter holds (0 without one)."""
     if not config.continue_adapter:
         return 0
-    steps = adapter_meta(config.continue_adapter).get("trained_steps")
+    steps = adapter_meta(config.continue_adapter).trained_steps
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--continue-adapter {config.continue_adapter}: its unimae.json names no trained_steps")
     return steps
@@ -318,9 +319,9 @@ def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint
     was trained on this base with this configuration (the same settings a ``--resume`` may not change)."""
     source = Path(config.continue_adapter)
     meta = adapter_meta(source)
-    if meta.get("base_fingerprint") != fingerprint:
-        raise ValueError(f"--continue-adapter {source} was trained on another base model ({meta.get('base_model')})")
-    saved, ours = meta.get("training_config", {}), config.to_dict()
+    if meta.base_fingerprint != fingerprint:
+        raise ValueError(f"--continue-adapter {source} was trained on another base model ({meta.base_model})")
+    saved, ours = flat_values(meta.training_config), config.flat()
     free = _RESUME_MAY_CHANGE | {"continue_adapter", "init_adapter", "init_lora"}
     changed = [
         f"{k} {saved[k]!r} -> {ours[k]!r}" for k in sorted((saved.keys() & ours.keys()) - free) if saved[k] != ours[k]
@@ -336,9 +337,9 @@ def _load_init_lora(config: TrainConfig, objective: torch.nn.Module, fingerprint
     if not (source / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"--init-lora {source} is not an adapter folder (no adapter_model.safetensors)")
     meta = adapter_meta(source)
-    if meta.get("base_fingerprint") != fingerprint:
-        raise ValueError(f"--init-lora {source} was trained on another base model ({meta.get('base_model')})")
-    if meta.get("init_adapter") or (source / INIT_ADAPTER).exists():
+    if meta.base_fingerprint != fingerprint:
+        raise ValueError(f"--init-lora {source} was trained on another base model ({meta.base_model})")
+    if meta.init_adapter or (source / INIT_ADAPTER).exists():
         raise ValueError(f"--init-lora {source} was trained on top of another adapter; start from one LoRA")
     _load_lora_weights(objective.llm, source, "--init-lora")
 
@@ -478,19 +479,19 @@ def _save_adapter(run: _Run, step: int) -> Path:
     run.tokenizer.save_pretrained(adapter_dir)
     if config.init_adapter and not config.full_params:
         shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)
-    write_adapter_meta(
-        adapter_dir,
-        run.fingerprint,
-        config.model,
-        run.method.embedding_spec(),
+    meta = AdapterMeta(
+        base_model=config.model,
+        base_fingerprint=run.fingerprint,
+        embedding=run.method.embedding_spec(),
         trained_steps=step,
         mask_token=run.meta["mask_token"],
         method=config.method,
         init_adapter=INIT_ADAPTER if config.init_adapter else None,
-        **({"init_lora": {"revision": adapter_revision(config.init_lora)}} if config.init_lora else {}),
+        init_lora_revision=adapter_revision(config.init_lora) if config.init_lora else None,
         training_config=config.to_dict(),
-        **({"continued_from": {"step": continued_step(config)}} if config.continue_adapter else {}),
+        continued_from_step=continued_step(config) if config.continue_adapter else None,
     )
+    write_adapter_meta(adapter_dir, meta)
     if config.merge and not config.full_params:
         save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
     return adapter_dir
@@ -525,7 +526,7 @@ def _finished(out: Path, config: TrainConfig, step: int) -> bool:
     """Whether the run in ``out`` is done: its newest checkpoint is at ``config.steps`` or later and its adapter
     was saved at that step. (An interrupted run saves its adapter too, at the step it stopped, so an adapter
     alone does not mean the run finished: its ``unimae.json`` says how many steps it holds.)"""
-    return step >= config.steps and adapter_meta(_adapter_dir(config)).get("trained_steps") == step
+    return step >= config.steps and adapter_meta(_adapter_dir(config)).trained_steps == step
 
 
 def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
