@@ -21,7 +21,9 @@ import argparse
 import statistics
 from pathlib import Path
 
+from unimae.adapter import adapter_revision
 from unimae.files import update_json
+from unimae.release import resolve_adapter
 from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +60,7 @@ def score(model: str, adapter: str | None, precision: str, new_tokens: int) -> d
     measures = [repetition(text) for text in texts]
     return {
         "adapter": adapter,
+        "revision": adapter_revision(resolve_adapter(adapter)),  # a release card quotes only its own adapter's
         **{key: round(statistics.mean(m[key] for m in measures), 4) for key in measures[0]},
         "continuations": dict(zip(PROMPTS, texts, strict=True)),
     }

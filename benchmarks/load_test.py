@@ -61,6 +61,8 @@ import httpx
 import psutil
 from hostile_clients import HostileClients, Limits, summarize
 
+from unimae.adapter import adapter_revision
+from unimae.release import resolve_adapter
 from unimae.runtime.memory import cpu_model
 from unimae.serving.config import ServerConfig
 
@@ -551,7 +553,11 @@ def main() -> None:
     hostile = args.mix == "hostile"
     args.clients = args.clients if args.clients is not None else (15 if hostile else 8)
     output = Path(args.output or (HOSTILE_OUTPUT if hostile else RESULTS / "load_test.json"))
-    payload = {"model": args.model, "adapter": args.adapter}
+    payload = {
+        "model": args.model,
+        "adapter": args.adapter,
+        "revision": adapter_revision(resolve_adapter(args.adapter)),
+    }
     if not args.skip_server:
         payload["server"] = server_load_test(args)
         print(json.dumps(payload["server"], indent=2))

@@ -79,3 +79,33 @@ def test_train_command_names_only_what_differs():
     assert command.startswith("unimae train") and "--method contrastive" in command
     assert "--query-prompt $'Instruct: x\\nQ: '" in command
     assert "--steps" not in command and "--lr" not in command
+
+
+def test_a_card_quotes_only_its_own_adapters_generation_rag_and_repetition(tmp_path):
+    from unimae.release_card import CardInputs, _generation_lines, _rag_lines
+
+    def write(name, data):
+        (tmp_path / name).write_text(json.dumps(data))
+        return tmp_path / name
+
+    accuracy = {"acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.5, "acc_norm_stderr,none": 0.01}
+    results = {"arc_easy": accuracy}
+    inputs = CardInputs(
+        name="r",
+        release=tmp_path,
+        dev_results=tmp_path,
+        generation=write("gen.json", {"revision": "old", "results": results}),
+        base_generation=write("base.json", {"revision": "base", "results": results}),
+        rag=write(
+            "rag.json", {"revision": "old", "rag": [{"mode": "one", "retrieval_acc_at_1": 0.9, "questions": 20}]}
+        ),
+        repetition=write(
+            "rep.json", {"base": {"repeated_trigrams": 1.0}, "x": {"revision": "old", "repeated_trigrams": 2.0}}
+        ),
+    )
+    stale = _generation_lines(inputs, "new")
+    assert "not measured for this adapter yet" in stale and "3-grams" not in stale and "base model: 50.00" in stale
+    assert _rag_lines(inputs, "new") == ""
+    own = _generation_lines(inputs, "old")
+    assert "this adapter: 50.00" in own and "2.00 (base model 1.00)" in own
+    assert "retrieval acc@1 0.90 over 20 questions" in _rag_lines(inputs, "old")

@@ -65,7 +65,7 @@ def build_card(inputs: CardInputs, meta: AdapterMeta, revision: str | None = Non
         _front_matter(inputs.name, meta, tasks, inputs.dev_results),
         _intro(inputs.name, meta),
         _usage(inputs.name, meta),
-        _results(inputs, tasks),
+        _results(inputs, tasks, revision),
         _training(inputs, meta),
         _limits(meta),
     ]
@@ -165,7 +165,7 @@ unimae serve --model {model} --adapter {name} --index runs/index   # /v1/embeddi
 """
 
 
-def _results(inputs: CardInputs, tasks: dict[str, dict]) -> str:
+def _results(inputs: CardInputs, tasks: dict[str, dict], revision: str | None) -> str:
     parts = ["## Results\n"]
     if not tasks:
         return "## Results\n\nNot evaluated yet.\n"
@@ -173,8 +173,8 @@ def _results(inputs: CardInputs, tasks: dict[str, dict]) -> str:
     for path in inputs.extra_tables:
         if Path(path).is_file():
             parts.append(_summary_json_table(Path(path)))
-    parts.append(_generation_lines(inputs))
-    parts.append(_rag_lines(inputs))
+    parts.append(_generation_lines(inputs, revision))
+    parts.append(_rag_lines(inputs, revision))
     return "\n".join(p for p in parts if p)
 
 
@@ -210,29 +210,52 @@ def _fmt(value) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
 
 
-def _generation_lines(inputs: CardInputs) -> str:
+def _own(path: Path | None, revision: str | None) -> dict | None:
+    """The JSON at ``path`` if it was measured for the adapter of ``revision`` (its ``revision`` field; any
+    revision when None), else None: a card quotes only the released adapter's own measurements."""
+    if path is None or not Path(path).is_file():
+        return None
+    data = json.loads(Path(path).read_text())
+    return data if revision is None or data.get("revision") == revision else None
+
+
+def _generation_lines(inputs: CardInputs, revision: str | None) -> str:
     lines = []
-    for label, path in (("this adapter", inputs.generation), ("base model", inputs.base_generation)):
-        if path is not None and Path(path).is_file():
-            mean, stderr, n = average_accuracy(json.loads(Path(path).read_text())["results"])
+    for label, path, rev in (
+        ("this adapter", inputs.generation, revision),
+        ("base model", inputs.base_generation, None),
+    ):
+        data = _own(path, rev)
+        if data is None and label == "this adapter":
+            lines.append("- Generation suite: not measured for this adapter yet.")
+        if data is not None:
+            mean, stderr, n = average_accuracy(data["results"])
             spread = f" +- {stderr * 100:.2f}" if stderr is not None else ""
             lines.append(
                 f"- Generation ({n} lm-eval tasks, every item, average accuracy), {label}: {mean * 100:.2f}{spread}"
             )
     if inputs.repetition is not None and Path(inputs.repetition).is_file():
-        lines.append(f"- Greedy generation, repeated word 3-grams: see `{inputs.repetition.name}`")
+        rows = json.loads(Path(inputs.repetition).read_text())
+        own = [r for r in rows.values() if isinstance(r, dict) and (revision is None or r.get("revision") == revision)]
+        base = rows.get("base") if isinstance(rows.get("base"), dict) else None
+        if own and base and "repeated_trigrams" in own[0]:
+            lines.append(
+                f"- Greedy generation, repeated word 3-grams per continuation: {own[0]['repeated_trigrams']:.2f} "
+                f"(base model {base['repeated_trigrams']:.2f})"
+            )
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def _rag_lines(inputs: CardInputs) -> str:
-    if inputs.rag is None or not Path(inputs.rag).is_file():
+def _rag_lines(inputs: CardInputs, revision: str | None) -> str:
+    data = _own(inputs.rag, revision)  # benchmarks/load_test.py's JSON
+    if data is None:
         return ""
-    data = json.loads(Path(inputs.rag).read_text())
     lines = []
-    for key, entry in data.items():
-        if isinstance(entry, dict) and "retrieval_acc1" in entry:
+    for entry in data.get("rag", []):
+        if isinstance(entry, dict) and "retrieval_acc_at_1" in entry:
             lines.append(
-                f"- RAG benchmark `{key}` ({entry.get('models')}): retrieval acc@1 {entry['retrieval_acc1']:.2f}"
+                f"- RAG benchmark, {entry.get('mode')} model(s) ({entry.get('models')}): retrieval acc@1 "
+                f"{entry['retrieval_acc_at_1']:.2f} over {entry.get('questions')} questions"
             )
     return "\n".join(lines) + ("\n" if lines else "")
 
