@@ -272,7 +272,7 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
 {inputs.command or train_command(config)}
 ```
 
-- Steps: {meta.trained_steps} of {config.get("batch_size")} pairs; wall time {seconds / 3600:.1f} h of
+- Steps: {meta.trained_steps}, each a batch of {config.get("batch_size")} pairs; wall time {seconds / 3600:.1f} h of
   training steps ({", ".join(cpus) or "CPU not recorded"}; 2 CPU cores).
 - Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
 
