@@ -127,6 +127,6 @@ def test_a_release_reproduces_its_cards_sts17(real_cache, name, tmp_path):
     folder = resolve_adapter(name)
     card = card_scores((Path(folder) / "README.md").read_text())
     assert "STS17" in card, "the card has no STS17 score to check"
-    model = release_meta(folder)["base_model"]
+    model = release_meta(folder).base_model
     run = evaluate_embeddings(model, ["STS17"], tmp_path, adapter=name, data_dir=SHARED_DATA, use_cache=False)
     assert abs(run.scores["STS17"] * 100 - card["STS17"]) <= 0.05 + 0.005  # the card rounds to 2 decimals
