@@ -20,7 +20,7 @@ Per model:
 * ``generate/<precision>``: greedy tokens of unimae's decoder (:func:`unimae.generation.decoding.decode_tokens`)
   against transformers' ``generate`` on the same device, with and without an unmerged LoRA adapter, two prompts
   of :data:`NEW_TOKENS` new tokens each. Passes when they are identical. In bf16 both attend the one new query in
-  fp32, as unimae's decode step does (tests/test_generation.py, ``one_query_attention_in_fp32``); the prefill runs
+  fp32, as unimae's decode step does (``unimae.tiny_models.one_query_attention_in_fp32``); the prefill runs
   the model's own attention.
 * ``serve``: the server's two jobs through FastAPI's TestClient: ``/v1/embeddings`` (vectors equal to
   ``Encoder.encode(normalize=True)``'s, cosine at least :data:`MIN_COSINE`) and greedy ``/v1/completions`` (text
@@ -61,7 +61,7 @@ from unimae.methods import METHOD_REGISTRY
 from unimae.models import load_model
 from unimae.runtime.memory import cpu_model
 from unimae.runtime.precision import DEVICE_HELP, autocast, bf16_supported, resolve_device, weight_dtype
-from unimae.tiny_models import ARCHITECTURES, SENTENCES, save_tiny_model
+from unimae.tiny_models import ARCHITECTURES, SENTENCES, one_query_attention_in_fp32, save_tiny_model
 from unimae.training.config import TrainConfig
 from unimae.training.trainer import train
 
@@ -191,28 +191,6 @@ def check_embedding(model_dir: Path, precision: str, device: str) -> dict:
     record["passed"] = bool(np.isfinite(alone).all()) and lowest >= MIN_COSINE[precision]
     record["summary"] = f"min cosine {lowest:.6f} (>= {MIN_COSINE[precision]})"
     return record
-
-
-@contextlib.contextmanager
-def one_query_attention_in_fp32():
-    """transformers' SDPA attention computing one-query steps in fp32 (autocast off), as unimae's decode step does
-    (:func:`unimae.generation.kv_cache.one_query_attention`); longer queries (prefill) unchanged."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-    def attention(module, query, key, value, *args, **kwargs):
-        if query.shape[2] != 1 or query.dtype == torch.float32:
-            return sdpa(module, query, key, value, *args, **kwargs)
-        with torch.autocast(query.device.type, enabled=False):
-            out, weights = sdpa(module, query.float(), key.float(), value.float(), *args, **kwargs)
-        return out.to(query.dtype), weights
-
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
 
 
 def _generate_reference(model, tokenizer, ids: list[int], precision: str, device: torch.device) -> list[int]:

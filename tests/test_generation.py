@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import SENTENCES
 
+from unimae import tiny_models
 from unimae.encoder import Encoder
 from unimae.generation.decoding import Decoder, DecodeState, decode_tokens, eos_token_ids
 from unimae.generation.fast_path import LlamaStep, packed_supported
@@ -95,21 +96,10 @@ def test_llama_family_takes_the_lean_step(tiny_model_dirs):
 
 
 @pytest.fixture
-def one_query_attention_in_fp32(monkeypatch):
-    """The model's own SDPA attention computing one-query steps in fp32, as unimae's decode step does
-    (``kv_cache.one_query_attention``); longer queries (prefill, embeddings) unchanged."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-    def attention(module, query, key, value, *args, **kwargs):
-        if query.shape[2] != 1 or query.dtype == torch.float32:
-            return sdpa(module, query, key, value, *args, **kwargs)
-        with torch.autocast(query.device.type, enabled=False):
-            out, weights = sdpa(module, query.float(), key.float(), value.float(), *args, **kwargs)
-        return out.to(query.dtype), weights
-
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", attention)
+def one_query_attention_in_fp32():
+    """The model's own SDPA attention computing one-query steps in fp32, as unimae's decode step does."""
+    with tiny_models.one_query_attention_in_fp32():
+        yield
 
 
 @pytest.mark.skipif(not packed_supported(torch.device("cpu")), reason="no oneDNN bf16 on this CPU")

@@ -8,6 +8,7 @@ family runs (:func:`save_tiny_model` writes one as a model folder ``--model`` ta
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -105,3 +106,25 @@ def save_tiny_model(arch: str, directory: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return Path(directory)
+
+
+@contextlib.contextmanager
+def one_query_attention_in_fp32():
+    """transformers' SDPA attention computing one-query steps in fp32 (autocast off), as unimae's decode step does
+    (:func:`unimae.generation.kv_cache.one_query_attention`); longer queries (prefill) unchanged."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, *args, **kwargs):
+        if query.shape[2] != 1 or query.dtype == torch.float32:
+            return sdpa(module, query, key, value, *args, **kwargs)
+        with torch.autocast(query.device.type, enabled=False):
+            out, weights = sdpa(module, query.float(), key.float(), value.float(), *args, **kwargs)
+        return out.to(query.dtype), weights
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
