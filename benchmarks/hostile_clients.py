@@ -215,7 +215,8 @@ class HostileClients:
             got = await self._closed_within(reader, self.limits.header_timeout_s + self.limits.margin_s)
             if got == "held":  # and for how long: up to the end of the run
                 got = "closed_late" if await self._closed_within(reader, self.left()) == "closed" else "held"
-            self._record("silent", "connected_sending_nothing", "closed", got, start)
+            if got is not None:  # None: the run ended before the header timeout could show (not recorded)
+                self._record("silent", "connected_sending_nothing", "closed", got, start)
             writer.close()
 
     async def half_sent(self) -> None:

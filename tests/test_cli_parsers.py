@@ -74,9 +74,9 @@ def test_pooling_attention_precision_kind_format_and_method_choices_come_from_th
     assert _choices(("train",), "--method") == method_names()
     with_precision = [argv for argv, parser in _pages().items() if "--precision" in parser._option_string_actions]
     assert {argv[-1] for argv in with_precision} >= {"train", "embed", "generate", "index", "ask", "serve"}
-    inference = {"embed", "generate", "serve"}  # they also take the int8 precisions (unimae.runtime.precision)
+    inference = {("embed",), ("generate",), ("serve",), ("evaluate", "embeddings")}  # + the CPU decode/int8 ones
     for argv in with_precision:
-        expected = INFERENCE_PRECISIONS if argv[-1] in inference else PRECISIONS
+        expected = INFERENCE_PRECISIONS if argv in inference else PRECISIONS
         assert _choices(argv, "--precision") == list(expected), argv
 
 

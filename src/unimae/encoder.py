@@ -32,7 +32,13 @@ from unimae.generation.stream import generate_text
 from unimae.release import resolve_adapter
 from unimae.runtime.int8 import quantize_linears
 from unimae.runtime.memory import tune_allocator
-from unimae.runtime.precision import autocast, resolve_device, resolve_inference_precision, weight_dtype
+from unimae.runtime.precision import (
+    DECODE_ONLY_PRECISIONS,
+    autocast,
+    resolve_device,
+    resolve_inference_precision,
+    weight_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,8 @@ class Encoder:
     ``attention`` and pooling options such as ``summary_ids``).
 
     ``precision``: one of :data:`~unimae.runtime.precision.INFERENCE_PRECISIONS` ('auto', 'bf16', 'fp32',
-    'int8-decode', 'int8'; :mod:`unimae.runtime.precision` says what each runs and what 'auto' picks where).
+    'bf16-decode', 'f16-decode', 'int8-decode', 'int8'; :mod:`unimae.runtime.precision` says what each runs and
+    what 'auto' picks where).
     With 'int8' the model's linear layers are replaced by dynamically quantized ones here (in place).
     ``device``: 'auto' (or None: a CUDA GPU if there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'
     (:func:`~unimae.runtime.precision.resolve_device`); the model is moved there.
@@ -77,9 +84,10 @@ class Encoder:
 
     @property
     def embedding_precision(self) -> str:
-        """The precision its embeddings are computed in: 'int8-decode' quantizes the decode loop only, so it
-        embeds exactly as 'fp32' (what index manifests and evaluation caches record, so they stay reusable)."""
-        return "fp32" if self.precision == "int8-decode" else self.precision
+        """The precision its embeddings are computed in: 'bf16-decode', 'f16-decode' and 'int8-decode' round the
+        decode loop's weights only, so they embed exactly as 'fp32' (what index manifests and evaluation caches
+        record, so they stay reusable)."""
+        return "fp32" if self.precision in DECODE_ONLY_PRECISIONS else self.precision
 
     @property
     def pooling(self) -> str:
@@ -116,13 +124,14 @@ class Encoder:
         small update ``dW`` (on the dev suite it lowered the first UniMAE adapter's scores; docs/results.md,
         "Merged vs unmerged adapter"), while unmerged bf16 keeps ``dW`` apart as
         in training. The int8 precisions merge in fp32 and then quantize ``W + dW`` (int8 adds the same rounding
-        noise to ``W`` unmerged, which the adapter was not trained against either; ``int8-decode`` embeds with
-        the exact fp32 merge). ``merge=True`` trades bf16's exactness for speed (e.g. ``unimae serve --merge``);
+        noise to ``W`` unmerged, which the adapter was not trained against either; ``int8-decode``,
+        ``bf16-decode`` and ``f16-decode`` embed with the exact fp32 merge and round its sum in the decode copies).
+        ``merge=True`` trades bf16's exactness for speed (e.g. ``unimae serve --merge``);
         ``merge=False`` also keeps the base model reachable through :meth:`adapter_disabled` (under int8 the
         adapter's own layers then stay fp32 beside the int8 base).
 
-        ``precision`` (in ``kwargs``): see :class:`Encoder`; 'auto' picks 'int8-decode' on CPUs without native
-        bf16 (AVX2): fp32 embeddings, int8 weights in the decode steps.
+        ``precision`` (in ``kwargs``): see :class:`Encoder`; 'auto' picks 'bf16-decode' on CPUs without native
+        bf16 (AVX2): fp32 embeddings, bf16 weights in the decode steps.
         """
         adapter = resolve_adapter(adapter)  # a folder, or the name of a released adapter
         device = resolve_device(kwargs.get("device"))

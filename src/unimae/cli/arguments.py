@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from unimae.embedding.pooling import POOLINGS
-from unimae.runtime.precision import DEVICE_HELP, PRECISIONS, check_device_name
+from unimae.runtime.precision import DEVICE_HELP, INFERENCE_PRECISIONS, PRECISIONS, check_device_name
 
 DEFAULT_MODEL = "smollm2-135m"
 Handler = Callable[[argparse.Namespace], int]
@@ -49,6 +49,18 @@ def add_pooling_argument(parser: argparse.ArgumentParser) -> None:
 def add_precision_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision", default="auto", choices=PRECISIONS, help="auto = bf16 where the CPU/GPU runs it natively."
+    )
+
+
+def inference_precisions(parser: argparse.ArgumentParser) -> None:
+    """Let ``--precision`` take the inference precisions too (``bf16-decode``, ``f16-decode``, ``int8-decode``,
+    ``int8``; see :mod:`unimae.runtime.precision`)."""
+    action = parser._option_string_actions["--precision"]
+    action.choices = INFERENCE_PRECISIONS
+    action.help = (
+        "auto = bf16 where the CPU/GPU runs it natively, else (CPU) bf16-decode: fp32 embeddings, bf16 weights in "
+        "the decode steps; f16-decode / int8-decode: fp16 / int8 decode weights; int8 = int8-decode and int8 "
+        "embedding forwards too (opt-in: changes the embeddings)."
     )
 
 

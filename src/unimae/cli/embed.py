@@ -11,20 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from unimae.cli.arguments import add_command, add_model_arguments, add_pooling_argument
-
-
-def inference_precisions(parser: argparse.ArgumentParser) -> None:
-    """Let ``--precision`` take the inference precisions too (``int8-decode``, ``int8``; see
-    :mod:`unimae.runtime.precision`)."""
-    from unimae.runtime.precision import INFERENCE_PRECISIONS
-
-    action = parser._option_string_actions["--precision"]
-    action.choices = INFERENCE_PRECISIONS
-    action.help = (
-        "auto = bf16 where the CPU/GPU runs it natively, else (CPU) int8-decode: fp32 embeddings, int8 weights in "
-        "the decode steps; int8 = int8-decode and int8 embedding forwards too (opt-in: changes the embeddings)."
-    )
+from unimae.cli.arguments import add_command, add_model_arguments, add_pooling_argument, inference_precisions
 
 
 def add_embed_parser(sub: argparse._SubParsersAction) -> None:

@@ -14,6 +14,7 @@ from unimae.cli.arguments import (
     add_command,
     add_model_arguments,
     add_pooling_argument,
+    inference_precisions,
 )
 from unimae.embedding.attention import ATTENTION_RULES
 from unimae.evaluation.generation import SCORERS
@@ -39,6 +40,7 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
 def _add_embeddings_parser(kinds: argparse._SubParsersAction) -> None:
     parser = add_command(kinds, "embeddings", "mteb tasks: a group (dev, mteb15) or task names.", _evaluate_embeddings)
     add_model_arguments(parser)
+    inference_precisions(parser)  # int8 measures its embeddings' cost; the decode-only ones embed as fp32
     add_pooling_argument(parser)
     parser.add_argument(
         "--attention",

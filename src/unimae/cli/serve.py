@@ -18,8 +18,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments
-from unimae.cli.embed import inference_precisions
+from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments, inference_precisions
 from unimae.serving.config import ServerConfig, check_api_key, model_id
 from unimae.training.config import add_dataclass_arguments
 

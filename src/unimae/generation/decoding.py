@@ -18,9 +18,9 @@ each layer. :func:`decode_tokens` keeps what a step needs:
 
 Greedy output is token-identical to ``model.generate(do_sample=False)`` (tests/test_generation.py, fp32
 on Llama, Gemma3 and Qwen2, with and without LoRA and a prefix cache; in bf16 where oneDNN runs it, against
-``generate`` with its one-query attention in fp32 too). The int8 precisions round the decode steps' weights
-to int8, so their tokens follow fp32's only as far as the rounding leaves the argmax alone
-(tests/test_precision_int8.py). The next token is picked by
+``generate`` with its one-query attention in fp32 too). The 16-bit decode and int8 precisions round the decode steps'
+weights, so their tokens follow fp32's only as far as the rounding leaves the argmax alone
+(tests/test_inference_precisions.py). The next token is picked by
 :func:`~unimae.generation.sampling.pick_token` (greedy, or a seeded temperature / top-p draw).
 """
 
@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from unimae.generation.fast_path import LlamaStep, decode_weights, int8_linears, packed_linears, step_context
+from unimae.generation.fast_path import LlamaStep, decode_weights, packed_linears, step_context, weight_only_linears
 from unimae.generation.kv_cache import KVPool, preallocated, reusable_prefix, start_cache, with_cache
 from unimae.generation.sampling import GenerationParams, pick_token
 
@@ -145,18 +145,18 @@ class Decoder:
     A step runs :class:`LlamaStep` over every state whose cache it supports (Llama-family models), and the
     model's own forward, state by state, over the others (Gemma3: sliding windows and extra norms; correct
     but not faster than one generation after another). Built once per generation by :func:`decode_tokens`,
-    once per server by the scheduler: its packed bf16 or int8 weights are taken at construction, so the model's
-    weights must not change while it is in use.
+    once per server by the scheduler: its packed bf16 or weight-only (16-bit, int8) copies are taken at
+    construction, so the model's weights must not change while it is in use.
     """
 
     def __init__(self, model, precision: str = "fp32"):
         self.model, self.precision = model, precision
         self.device = next(model.parameters()).device
-        self.packed = decode_weights(precision, self.device)  # "bf16", "int8" or None
+        self.packed = decode_weights(precision, self.device)  # "bf16", "bf16w", "f16w", "int8" or None
         if self.packed == "bf16":
             packed_linears(model)
-        elif self.packed == "int8":
-            int8_linears(model)
+        elif self.packed is not None:
+            weight_only_linears(model)
         contiguous_head_input(model)
         self.pool = self.lean = None
         if LlamaStep.supports_model(model):  # a pool only where every layer attends over all positions
@@ -281,7 +281,7 @@ def decode_tokens(
 
 def warm_up(model, precision: str) -> None:
     """Make what the first generation would make (oneDNN-packed bf16 weights, about the bf16 weights' size,
-    0.1-1 s for a 135M model; int8 copies of fp32 weights), so the first request does not pay for it;
+    0.1-1 s for a 135M model; 16-bit or int8 copies of fp32 weights), so the first request does not pay for it;
     ``ServerState.build`` calls it. A no-op in fp32."""
     if decode_weights(precision, next(model.parameters()).device) is not None:
         for _ in decode_tokens(model, [0], GenerationParams(max_new_tokens=2), set(), precision):

@@ -1,9 +1,10 @@
-"""The decoder's CPU fast path: a hand-written Llama step, oneDNN-packed bf16 weights and int8 weights, with
-module-level state.
+"""The decoder's CPU fast path: a hand-written Llama step, oneDNN-packed bf16 weights and weight-only 16-bit and
+int8 weights, with module-level state.
 
 The first two are taken by :class:`~unimae.generation.decoding.Decoder` wherever they apply; neither changes a
-number (tests/test_generation.py), only the time a step takes. The third is the one-token steps of the int8
-precisions (``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`), which round the weights:
+number (tests/test_generation.py), only the time a step takes. The third is the one-token steps of the
+weight-only precisions (``bf16-decode``, ``f16-decode``, ``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`),
+which round the weights:
 
 * for Llama-family models (chosen by ``config.model_type`` in :data:`LEAN_MODEL_TYPES`) the one-token steps
   run :class:`LlamaStep`, a flat loop over the layers with the same operations on the same modules
@@ -18,13 +19,19 @@ precisions (``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`), which r
   (computing as before outside a packed step), and the packed copies live in module-level state
   (``_PACKED``, keyed by the modules, and a per-thread ``_DECODING.packed`` switch set by
   :func:`step_context`).
+* under ``bf16-decode`` / ``f16-decode`` on a CPU, the decode steps' linear layers read bf16 / fp16 copies of their
+  weights (half fp32's bytes; made at the first such generation, half the fp32 weights' size again): the
+  step's fp32 input is rounded to that dtype, ATen's one-row product accumulates in fp32 and its output is
+  widened back to fp32 (:func:`half_product`); everything between the linear layers stays fp32. Without native
+  bf16 (AVX2) this is what a memory-bound step gains most from (``docs/results.md``, the AVX2 speed table).
+  The marking and the LoRA rule are the int8 ones below (:func:`weight_only_linears`).
 * under an int8 precision on a CPU, the decode steps' linear layers read int8 copies of their weights with one
   fp32 scale per output row (weight-only int8, :mod:`unimae.runtime.int8`; ``aten._weight_int8pack_mm``; q/k/v
   and gate/up stacked), made at the first such generation (a quarter of the fp32 weights' size; with
   ``precision='int8'`` the dynamically quantized layers' own int8 weights, no copy). A LoRA adapter's own layers
-  (unmerged) keep fp32 (:func:`int8_linears`). Prefill keeps the model's forward, so the first new token is
+  (unmerged) keep fp32 (:func:`weight_only_linears`). Prefill keeps the model's forward, so the first new token is
   the one the embedding precision gives. The ``_DECODING.packed`` switch names which copies a step reads
-  (``"bf16"``, ``"int8"`` or None: :func:`decode_weights`).
+  (``"bf16"``, ``"bf16w"``, ``"f16w"``, ``"int8"`` or None: :func:`decode_weights`).
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ from transformers import DynamicCache
 
 from unimae.generation.kv_cache import KVPool, attend_rows, preallocated
 from unimae.runtime.int8 import int8_product, int8_weight, quantizable_linears
-from unimae.runtime.precision import INT8_PRECISIONS, autocast, int8_supported
+from unimae.runtime.precision import HALF_DECODE_PRECISIONS, INT8_PRECISIONS, autocast, int8_supported
 
-_DECODING = threading.local()  # .packed: "bf16" / "int8" while this thread runs such a decode step, else None
+_DECODING = threading.local()  # .packed: a decode_weights kind while this thread runs such a decode step, else None
+HALF_KINDS = {"bf16-decode": "bf16w", "f16-decode": "f16w"}  # precision -> decode_weights kind
+_HALF_DTYPES = {"bf16w": torch.bfloat16, "f16w": torch.float16}
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first linear of a group -> {(kind, ids): entry}
 _PACK_LOCK = threading.Lock()
 _LINEAR_POINTWISE = None  # torch.ops.mkldnn._linear_pointwise.default, resolved once (see packed_supported)
@@ -65,10 +74,12 @@ def packed_supported(device: torch.device) -> bool:
 
 
 def decode_weights(precision: str, device: torch.device) -> str | None:
-    """Which weight copies the decode steps of ``precision`` read on ``device``: "bf16" (oneDNN-packed), "int8"
-    (weight-only int8), or None (the modules' own weights)."""
+    """Which weight copies the decode steps of ``precision`` read on ``device``: "bf16" (oneDNN-packed), "bf16w" /
+    "f16w" (weight-only bf16 / fp16), "int8" (weight-only int8), or None (the modules' own weights)."""
     if precision == "bf16" and packed_supported(device):
         return "bf16"
+    if precision in HALF_DECODE_PRECISIONS and device.type == "cpu":
+        return HALF_KINDS[precision]
     if precision in INT8_PRECISIONS and int8_supported(device):
         return "int8"
     return None
@@ -97,13 +108,32 @@ def _int8_copy(group: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, torch.
     return weight, scales, bias
 
 
-_COPIES = {"bf16": _bf16_copy, "int8": _int8_copy}
+def _half_copy(kind: str) -> Callable:
+    """The copy function of a weight-only 16-bit kind: ``group`` -> (weight (sum out, in) in bf16 / fp16, fp32 bias
+    (sum out,) or None), stacked by output rows."""
+
+    def copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = torch.cat([m.weight.detach() for m in group]).to(_HALF_DTYPES[kind]).contiguous()
+        bias = torch.cat([m.bias.detach() for m in group]).float() if group[0].bias is not None else None
+        return weight, bias
+
+    return copy
+
+
+def half_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``x (..., K) @ weight.T + bias`` -> (..., N) in fp32, ``weight`` (N, K) read in bf16 / fp16: ``x`` is rounded to
+    the weight's dtype, ATen's product accumulates in fp32 and rounds its output to that dtype, widened here."""
+    y = torch.nn.functional.linear(x.to(weight.dtype), weight).float()  # (..., N)
+    return y + bias if bias is not None else y
+
+
+_COPIES = {"bf16": _bf16_copy, "int8": _int8_copy, **{kind: _half_copy(kind) for kind in _HALF_DTYPES}}
 
 
 def _packed_group(group: tuple[torch.nn.Module, ...], kind: str = "bf16") -> tuple:
-    """The ``kind`` copy of ``group``'s weights (:data:`_COPIES`: bf16 ``(packed weight, bias)``, int8 ``(weight,
-    scales, bias)``), stacked by output rows; cached across generations and made again when a weight or bias
-    changed (merge, load)."""
+    """The ``kind`` copy of ``group``'s weights (:data:`_COPIES`: bf16 ``(packed weight, bias)``, bf16w / f16w
+    ``(weight, bias)``, int8 ``(weight, scales, bias)``), stacked by output rows; cached across generations and
+    made again when a weight or bias changed (merge, load)."""
     params = tuple(p for m in group for p in (m.weight, m.bias) if isinstance(p, torch.Tensor))
     key = (kind, *map(id, group))
 
@@ -130,14 +160,23 @@ def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     return _LINEAR_POINTWISE(rows, weight, bias, "none", [], "").view(*x.shape[:-1], -1)  # (..., out)
 
 
+_PRODUCTS = {"bf16": _packed_product, "int8": int8_product, **{kind: half_product for kind in _HALF_DTYPES}}
+
+
+def _reads_copy(module: torch.nn.Module, kind: str | None) -> bool:
+    """Whether ``module`` computes on its ``kind`` copy: a plain ``nn.Linear`` on a packed bf16 step, a layer
+    :func:`weight_only_linears` marked on a weight-only step."""
+    if kind == "bf16":
+        return type(module) is torch.nn.Linear
+    return kind is not None and getattr(module, "_unimae_weight_only", False)
+
+
 def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's own forward, or inside a decode step of this thread, the product on its packed bf16 copy (a
-    plain ``nn.Linear``) or on its int8 weights (a layer :func:`int8_linears` marked)."""
+    """The layer's own forward, or inside a decode step of this thread, the product on its copy of the step's kind
+    (:func:`_reads_copy`)."""
     kind = getattr(_DECODING, "packed", None)
-    if kind == "bf16" and type(self) is torch.nn.Linear and x.device.type == "cpu":
-        return _packed_product(*_packed_group((self,)), x)
-    if kind == "int8" and getattr(self, "_unimae_int8", False) and x.device.type == "cpu":
-        return int8_product(*_packed_group((self,), "int8"), x)
+    if x.device.type == "cpu" and _reads_copy(self, kind):
+        return _PRODUCTS[kind](*_packed_group((self,), kind), x)
     return type(self).forward(self, x)
 
 
@@ -158,17 +197,18 @@ def packed_linears(model) -> None:
             _route(module)
 
 
-def int8_linears(model) -> None:
-    """Mark the linear layers of ``model`` whose weights an int8 decode step reads as int8 (plain ``nn.Linear`` and
-    dynamically quantized ones, a LoRA adapter's own layers left out: :func:`unimae.runtime.int8.quantizable_linears`)
-    and route them through :func:`_linear_forward` (idempotent). Outside an int8 decode step they compute as
-    before; the int8 copies of plain layers (a quarter of their fp32 size) are made at the first step."""
+def weight_only_linears(model) -> None:
+    """Mark the linear layers of ``model`` whose weights a weight-only decode step (bf16w, f16w, int8) reads as a
+    copy (plain ``nn.Linear`` and dynamically quantized ones, a LoRA adapter's own layers left out:
+    :func:`unimae.runtime.int8.quantizable_linears`) and route them through :func:`_linear_forward` (idempotent).
+    Outside such a step they compute as before; the copies of plain layers (int8: a quarter of their fp32 size,
+    bf16 / fp16: half) are made at the first step."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
     names = set(quantizable_linears(model))
     for name, module in model.named_modules():
         if name in names or type(module) is DynamicQuantizedLinear:
-            module._unimae_int8 = True
+            module._unimae_weight_only = True
             _route(module)
 
 
@@ -205,19 +245,15 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def _projection(modules: list, packed: str | None):
-    """A function x (..., in) -> the outputs of ``modules`` side by side (..., sum out): one packed product over
-    their stacked weights when they are all plain ``nn.Linear`` on a bf16 packed step (q/k/v, gate/up: fewer
-    oneDNN calls, same numbers, as each output row is its own dot product) or all marked by :func:`int8_linears`
-    on an int8 step, else each module (LoRA wrappers included) on its own, concatenated where there are several."""
+    """A function x (..., in) -> the outputs of ``modules`` side by side (..., sum out): one product over their
+    stacked copies when they all read the step's copy (:func:`_reads_copy`: plain ``nn.Linear`` on a bf16 packed
+    step, marked layers on a weight-only step; q/k/v, gate/up: fewer calls, same numbers, as each output row is
+    its own dot product), else each module (LoRA wrappers included) on its own, concatenated where there are
+    several."""
     plain = all(type(m) is torch.nn.Linear for m in modules)
-    marked = all(getattr(m, "_unimae_int8", False) for m in modules)  # plain or dynamically quantized linears
-    same_bias = (plain or marked) and len({_bias(m) is None for m in modules}) == 1
-    if packed == "bf16" and plain and same_bias:
-        weight, bias = _packed_group(tuple(modules))
-        return lambda x: _packed_product(weight, bias, x)
-    if packed == "int8" and marked and same_bias:
-        weight, scales, bias = _packed_group(tuple(modules), "int8")
-        return lambda x: int8_product(weight, scales, bias, x)
+    if all(_reads_copy(m, packed) for m in modules) and len({_bias(m) is None for m in modules}) == 1:
+        copy, product = _packed_group(tuple(modules), packed), _PRODUCTS[packed]
+        return lambda x: product(*copy, x)
     apply = (lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)) if plain else (lambda m, x: m(x))
     if len(modules) == 1:
         return lambda x: apply(modules[0], x)

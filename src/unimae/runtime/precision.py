@@ -1,8 +1,17 @@
-"""Device and precision choice: bf16 autocast where the hardware runs it natively, int8 weights where it does not.
+"""Device and precision choice: bf16 autocast where the hardware runs it natively, 16-bit or int8 decode weights
+where it does not.
 
 Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~unimae.encoder.Encoder`,
-``unimae embed / generate / serve``) among :data:`INFERENCE_PRECISIONS`, which adds two int8 values:
+``unimae embed / generate / serve``) among :data:`INFERENCE_PRECISIONS`, which adds four CPU values:
 
+* ``bf16-decode`` / ``f16-decode``: embeddings in fp32 (the same numbers as ``fp32``); the one-token decode steps
+  read each linear layer's weights as bf16 / fp16 copies (weight-only 16-bit: the layer's input is rounded to
+  that dtype, ATen's one-row product accumulates in fp32, the output is widened to fp32; norms, attention and
+  the residual stream stay fp32: :mod:`unimae.generation.fast_path`). A decode step of a small model is bound by
+  reading its weights, so half of fp32's bytes is where CPUs without native bf16 (AVX2) gain; the prefill
+  stays fp32, so the first new token is fp32's. bf16 keeps fp32's range (no overflow on any model) and was the
+  fastest on AVX2 (``docs/results.md``); fp16 keeps 3 more mantissa bits (greedy tokens follow fp32's longer)
+  but overflows past 65504, which some models' activations reach (Gemma's), so it is opt-in.
 * ``int8-decode``: embeddings in fp32 (the same numbers as ``fp32``); the one-token decode steps read each linear
   layer's weights as int8 with one fp32 scale per output row (weight-only int8, activations and accumulation in
   fp32: ``torch.ops.aten._weight_int8pack_mm``, :mod:`unimae.generation.fast_path`). A decode step of a small
@@ -15,8 +24,10 @@ Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~uni
   loaded model computes, and ``int8`` keeps only the int8 weights in memory (a quarter of fp32's).
 
 What ``auto`` picks (:func:`resolve_inference_precision`): ``bf16`` where the device runs bf16 natively (CUDA with
-bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other CPUs (AVX2) ``int8-decode`` when this PyTorch has
-the weight-only int8 kernel, else ``fp32``; ``fp32`` on other devices. :func:`resolve_precision` (training,
+bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other CPUs (AVX2) ``bf16-decode``; ``fp32`` on other
+devices. ``int8-decode`` is not picked: ATen's weight-only int8 product for one row
+(``aten._weight_int8pack_mm``) was slower than fp32's on the CPUs measured (``docs/results.md``), though it
+holds a quarter of fp32's bytes. :func:`resolve_precision` (training,
 evaluation) keeps ``auto`` -> ``bf16`` or ``fp32``. Under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` a
 bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks there what it picks on a real AVX2 CPU.
 
@@ -34,8 +45,10 @@ import re
 import torch
 
 PRECISIONS = ("auto", "bf16", "fp32")
+HALF_DECODE_PRECISIONS = ("bf16-decode", "f16-decode")
 INT8_PRECISIONS = ("int8-decode", "int8")
-INFERENCE_PRECISIONS = (*PRECISIONS, *INT8_PRECISIONS)
+INFERENCE_PRECISIONS = (*PRECISIONS, *HALF_DECODE_PRECISIONS, *INT8_PRECISIONS)
+DECODE_ONLY_PRECISIONS = (*HALF_DECODE_PRECISIONS, "int8-decode")  # embed exactly as fp32; only decode steps differ
 
 
 DEVICE_HELP = "auto = the first CUDA GPU if there is one, else the CPU; or cpu, cuda, cuda:N."
@@ -107,14 +120,19 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 def resolve_inference_precision(precision: str, device: torch.device) -> str:
     """A precision of :data:`INFERENCE_PRECISIONS` -> what an :class:`~unimae.encoder.Encoder` runs: 'auto' ->
-    'bf16' where the device runs it natively, else 'int8-decode' on a CPU with the int8 kernel, else 'fp32'
-    (see the module docstring). The int8 values run on CPUs only."""
+    'bf16' where the device runs it natively, else 'bf16-decode' on a CPU, else 'fp32' (see the module
+    docstring). The 16-bit decode and int8 values run on CPUs only."""
     if precision not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision must be one of {INFERENCE_PRECISIONS}, got {precision!r}")
     if precision == "auto":
         if bf16_supported(device):
             return "bf16"
-        return "int8-decode" if int8_supported(device) else "fp32"
+        return "bf16-decode" if device.type == "cpu" else "fp32"
+    if precision in HALF_DECODE_PRECISIONS and device.type != "cpu":
+        raise ValueError(
+            f"precision {precision!r} runs on CPUs (its decode weights are read by ATen's CPU products); this is "
+            f"{device}: pass 'bf16' or 'fp32'"
+        )
     if precision in INT8_PRECISIONS and not int8_supported(device):
         raise ValueError(
             f"precision {precision!r} runs on CPUs with PyTorch's weight-only int8 kernel "
@@ -131,7 +149,8 @@ def weight_dtype(precision: str) -> torch.dtype:
 
 
 def autocast(precision: str, device: torch.device):
-    """Autocast context for a resolved precision (bf16 only); fp32 and the int8 precisions compute in fp32."""
+    """Autocast context for a resolved precision (bf16 only); fp32, the 16-bit decode and the int8 precisions
+    compute in fp32 (the decode-weight copies round inside their products only)."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

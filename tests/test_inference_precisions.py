@@ -1,9 +1,11 @@
-"""The int8 precisions (unimae.runtime.precision, unimae.runtime.int8) on tiny random models, on any CPU.
+"""The CPU inference precisions beyond fp32/bf16 (unimae.runtime.precision, unimae.runtime.int8, the weight-only
+copies of unimae.generation.fast_path) on tiny random models, on any CPU.
 
-``int8-decode`` embeds in fp32 and decodes on weight-only int8 weights (``aten._weight_int8pack_mm``); ``int8`` also
-embeds through dynamically quantized linear layers. int8 rounds the weights, so generation is compared to fp32
-step by step on fp32's own tokens (teacher forcing): the logits stay close, and a greedy token differs only where
-fp32's two best logits were nearly tied. Nothing here needs native bf16; nothing here times anything.
+``bf16-decode`` / ``f16-decode`` / ``int8-decode`` embed in fp32 and decode on weight-only bf16 / fp16 / int8 copies
+of the weights; ``int8`` also embeds through dynamically quantized linear layers. They round the weights, so
+generation is compared to fp32 step by step on fp32's own tokens (teacher forcing): the logits stay close, and a
+greedy token differs only where fp32's two best logits were nearly tied. Nothing here needs native bf16; nothing
+here times anything.
 """
 
 import json
@@ -21,9 +23,11 @@ from unimae.cli import build_parser
 from unimae.encoder import Encoder
 from unimae.generation import fast_path
 from unimae.generation.decoding import Decoder, decode_tokens
+from unimae.generation.fast_path import half_product
 from unimae.generation.sampling import GenerationParams
 from unimae.runtime.int8 import int8_product, int8_weight, quantize_rows
 from unimae.runtime.precision import (
+    DECODE_ONLY_PRECISIONS,
     INFERENCE_PRECISIONS,
     PRECISIONS,
     bf16_supported,
@@ -35,6 +39,7 @@ CPU = torch.device("cpu")
 PROMPTS = ["the cat sat on", SENTENCES[2] + " and the", "stock markets rose", "children played football"]
 NEW = 16
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+ROUNDED = [*DECODE_ONLY_PRECISIONS, "int8"]  # every precision whose decode steps read rounded weights
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -81,6 +86,17 @@ def test_int8_rows_round_within_half_a_step_and_the_kernel_computes_the_product(
     torch.testing.assert_close(int8_product(q, scales, bias, x), exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_16_bit_product_rounds_input_weight_and_output_only(dtype):
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(3, 5, 24)  # (N, K), (N,), (..., K)
+    y = half_product(weight.to(dtype), bias, x)
+    assert y.dtype == torch.float32 and y.shape == (3, 5, 40)
+    exact = (x.to(dtype).double() @ weight.to(dtype).double().T).to(dtype).float() + bias  # fp32 accumulation
+    torch.testing.assert_close(y, exact, rtol=0, atol=1e-5)
+    assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))  # it does round
+
+
 def test_a_dynamically_quantized_layer_lends_its_own_int8_weights():
     from unimae.runtime.int8 import quantize_linears
 
@@ -93,22 +109,24 @@ def test_a_dynamically_quantized_layer_lends_its_own_int8_weights():
     torch.testing.assert_close(int8_product(q, scales, bias, x), model[0](x), rtol=0.05, atol=0.05)
 
 
-def test_auto_picks_int8_decode_only_where_bf16_is_not_native_and_training_keeps_fp32():
-    assert resolve_inference_precision("auto", CPU) == ("bf16" if bf16_supported(CPU) else "int8-decode")
-    assert resolve_precision("auto", CPU) in ("bf16", "fp32")  # training and evaluation never pick int8
-    for precision in ("bf16", "fp32", "int8-decode", "int8"):
+def test_auto_picks_bf16_decode_only_where_bf16_is_not_native_and_training_keeps_fp32():
+    assert resolve_inference_precision("auto", CPU) == ("bf16" if bf16_supported(CPU) else "bf16-decode")
+    assert resolve_precision("auto", CPU) in ("bf16", "fp32")  # training and evaluation never pick these
+    for precision in ("bf16", "fp32", *ROUNDED):
         assert resolve_inference_precision(precision, CPU) == precision
-    with pytest.raises(ValueError, match="int8"):
-        resolve_precision("int8", CPU)
+    for precision in ROUNDED:
+        with pytest.raises(ValueError, match="precision must be one of"):
+            resolve_precision(precision, CPU)  # training and evaluation take PRECISIONS only
     with pytest.raises(ValueError, match="precision must be one of"):
         resolve_inference_precision("int4", CPU)
-    with pytest.raises(ValueError, match="runs on CPUs"):
-        resolve_inference_precision("int8", torch.device("meta"))
+    for precision in ROUNDED:
+        with pytest.raises(ValueError, match="runs on CPUs"):
+            resolve_inference_precision(precision, torch.device("meta"))
 
 
-def test_generate_embed_and_serve_take_the_int8_precisions():
+def test_generate_embed_serve_and_evaluate_embeddings_take_the_inference_precisions():
     parser = build_parser()
-    for argv in (["generate", "hi"], ["embed", "hi"], ["serve"]):
+    for argv in (["generate", "hi"], ["embed", "hi"], ["serve"], ["evaluate", "embeddings"]):
         for precision in INFERENCE_PRECISIONS:
             assert parser.parse_args([*argv, "--precision", precision]).precision == precision
     with pytest.raises(SystemExit):
@@ -118,7 +136,7 @@ def test_generate_embed_and_serve_take_the_int8_precisions():
 
 def test_auto_under_avx2_emulation_chooses_what_an_avx2_cpu_gets_and_its_kernels_run(tiny_model_dirs):
     """Under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (a subprocess): PyTorch reports AVX2 and no oneDNN bf16,
-    ``auto`` resolves to int8-decode, and both int8 precisions load, embed and generate (the int8 kernels run
+    ``auto`` resolves to bf16-decode, and it and the int8 precision load, embed and generate (their kernels run
     under AVX2 dispatch)."""
     script = f"""
 import json, torch
@@ -131,26 +149,28 @@ facts = {{"capability": torch.backends.cpu.get_cpu_capability(), "bf16": bf16_su
 for precision in ("auto", "int8"):
     enc = Encoder.from_pretrained({str(tiny_model_dirs["llama"])!r}, precision=precision, device="cpu", max_length=32)
     facts[precision] = {{"resolved": enc.precision, "dim": int(enc.encode("the cat").shape[0]),
-        "text": enc.generate("the cat", max_new_tokens=4), "int8_head": enc.model.lm_head in fast_path._PACKED}}
+        "text": enc.generate("the cat", max_new_tokens=4), "head_copy": enc.model.lm_head in fast_path._PACKED}}
 print(json.dumps(facts))
 """
     env = {**os.environ, **AVX2, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert facts["capability"] == "AVX2" and facts["bf16"] is False and facts["resolves"] == "int8-decode"
-    assert facts["auto"]["resolved"] == "int8-decode" and facts["int8"]["resolved"] == "int8"
+    assert facts["capability"] == "AVX2" and facts["bf16"] is False and facts["resolves"] == "bf16-decode"
+    assert facts["auto"]["resolved"] == "bf16-decode" and facts["int8"]["resolved"] == "int8"
     for precision in ("auto", "int8"):
-        assert facts[precision]["dim"] == 64 and facts[precision]["int8_head"], facts[precision]
+        assert facts[precision]["dim"] == 64 and facts[precision]["head_copy"], facts[precision]
 
 
-@pytest.mark.parametrize("precision", ["int8-decode", "int8"])
-def test_int8_embeds_like_fp32(tiny_dir, precision):
-    """int8-decode embeds in fp32 (identical vectors); int8's dynamically quantized layers stay within cosine 0.99."""
+@pytest.mark.parametrize("precision", ROUNDED)
+def test_rounded_precisions_embed_like_fp32(tiny_dir, precision):
+    """The decode-only precisions embed in fp32 (identical vectors); int8's dynamically quantized layers stay within
+    cosine 0.99."""
     reference = _encoder(tiny_dir, "fp32").encode(SENTENCES)
     encoder = _encoder(tiny_dir, precision)
     vectors = encoder.encode(SENTENCES)
-    if precision == "int8-decode":
+    if precision in DECODE_ONLY_PRECISIONS:
+        assert encoder.embedding_precision == "fp32"
         np.testing.assert_array_equal(vectors, reference)
         assert not any(type(m) is DynamicQuantizedLinear for m in encoder.model.modules())
     else:
@@ -158,12 +178,12 @@ def test_int8_embeds_like_fp32(tiny_dir, precision):
         assert type(encoder.model.get_output_embeddings()) is DynamicQuantizedLinear
 
 
-@pytest.mark.parametrize("precision", ["int8-decode", "int8"])
-def test_int8_decode_follows_fp32_up_to_near_ties(tiny_dir, precision):
-    """On fp32's own greedy tokens, every int8 step's logits are within cosine 0.99 of fp32's, and where the int8
-    argmax differs, fp32's two best logits were closer than twice the step's largest logit error. int8-decode
-    prefills in fp32, so its first token is fp32's. The first free-running divergence is recorded (random tiny
-    models have flat logits, so it can come early)."""
+@pytest.mark.parametrize("precision", ROUNDED)
+def test_rounded_decode_follows_fp32_up_to_near_ties(tiny_dir, precision):
+    """On fp32's own greedy tokens, every rounded step's logits are within cosine 0.99 of fp32's, and where its
+    argmax differs, fp32's two best logits were closer than twice the step's largest logit error. The decode-only
+    precisions prefill in fp32, so their first token is fp32's. The first free-running divergence is recorded
+    (random tiny models have flat logits, so it can come early)."""
     reference, encoder = _encoder(tiny_dir, "fp32"), _encoder(tiny_dir, precision)
     divergences = {}
     for prompt in PROMPTS:
@@ -172,20 +192,21 @@ def test_int8_decode_follows_fp32_up_to_near_ties(tiny_dir, precision):
         exact = _forced_logits(reference, ids, tokens)  # (N, V)
         rounded = _forced_logits(encoder, ids, tokens)
         assert torch.equal(exact.argmax(-1), torch.tensor(tokens))
-        assert not torch.equal(rounded[1:], exact[1:]), "the decode steps should read int8 weights"
+        assert not torch.equal(rounded[1:], exact[1:]), "the decode steps should read rounded weights"
         assert torch.nn.functional.cosine_similarity(rounded, exact, dim=-1).min() >= 0.99
         error = (rounded - exact).abs().max(-1).values  # (N,)
         top2 = exact.topk(2, dim=-1).values
         flipped = rounded.argmax(-1) != exact.argmax(-1)
         assert ((top2[:, 0] - top2[:, 1])[flipped] <= 2 * error[flipped]).all()
-        if precision == "int8-decode":
+        if precision in DECODE_ONLY_PRECISIONS:
             assert not flipped[0]
         free = _greedy(encoder, ids)
         divergences[prompt] = next((i for i, (a, b) in enumerate(zip(tokens, free, strict=True)) if a != b), None)
     print(f"first divergence from fp32 ({precision}, {NEW} new tokens):", divergences)
 
 
-def test_int8_copies_are_made_for_the_base_weights_only_and_warm_up_makes_them(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("precision", DECODE_ONLY_PRECISIONS)
+def test_decode_copies_are_made_for_the_base_weights_only_and_warm_up_makes_them(tiny_model_dirs, precision):
     from peft import LoraConfig, get_peft_model
 
     from unimae.generation.decoding import warm_up
@@ -195,10 +216,13 @@ def test_int8_copies_are_made_for_the_base_weights_only_and_warm_up_makes_them(t
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
     warm_up(model, "fp32")
     assert model.get_output_embeddings() not in fast_path._PACKED
-    warm_up(model, "int8-decode")
+    warm_up(model, precision)
     proj = model.base_model.model.model.layers[0].mlp.down_proj
-    assert proj.base_layer in fast_path._PACKED and getattr(proj.base_layer, "_unimae_int8", False)
-    assert not any(getattr(m, "_unimae_int8", False) for m in (*proj.lora_A.values(), *proj.lora_B.values()))
+    assert proj.base_layer in fast_path._PACKED and getattr(proj.base_layer, "_unimae_weight_only", False)
+    lora = (*proj.lora_A.values(), *proj.lora_B.values())
+    assert not any(getattr(m, "_unimae_weight_only", False) for m in lora)
+    kinds = {key[0] for entry in fast_path._PACKED.values() for key in entry}
+    assert fast_path.decode_weights(precision, CPU) in kinds
 
 
 def _adapter(tiny_dir, path) -> str:
@@ -213,8 +237,8 @@ def _adapter(tiny_dir, path) -> str:
 
 
 @pytest.mark.parametrize("merge", [None, False], ids=["merged", "unmerged"])
-@pytest.mark.parametrize("precision", ["int8-decode", "int8"])
-def test_the_adapter_moves_int8_outputs_as_it_moves_fp32(tiny_dir, tmp_path, precision, merge):
+@pytest.mark.parametrize("precision", ["bf16-decode", "int8-decode", "int8"])
+def test_the_adapter_moves_rounded_outputs_as_it_moves_fp32(tiny_dir, tmp_path, precision, merge):
     """What the adapter changes (adapter minus base) in the embeddings and in the decode steps' logits points the
     same way in int8 as in fp32 (cosine >= 0.9); unmerged, its own layers stay fp32 beside the int8 base."""
     adapter = _adapter(tiny_dir, tmp_path / "adapter")
@@ -235,7 +259,7 @@ def test_the_adapter_moves_int8_outputs_as_it_moves_fp32(tiny_dir, tmp_path, pre
     if merge is False:
         model = int8[adapter].model
         lora = [m for n, m in model.named_modules() if n.endswith("lora_A.default") or n.endswith("lora_B.default")]
-        assert lora and all(type(m) is torch.nn.Linear and not getattr(m, "_unimae_int8", False) for m in lora)
+        assert lora and all(type(m) is torch.nn.Linear and not getattr(m, "_unimae_weight_only", False) for m in lora)
         with int8[adapter].adapter_disabled():
             np.testing.assert_allclose(int8[adapter].encode(SENTENCES[:3]), int8[None].encode(SENTENCES[:3]), atol=1e-5)
 
@@ -253,5 +277,5 @@ def test_emulate_avx2_runs_the_program_again_and_cpu_facts_record_it(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts["avx2_emulated"] and facts["emulation"] == AVX2
-    assert facts["torch_cpu_capability"] == "AVX2" and facts["auto_precision"] == "int8-decode"
+    assert facts["torch_cpu_capability"] == "AVX2" and facts["auto_precision"] == "bf16-decode"
     assert facts["int8_weight_kernel"] and not facts["bf16_native"]
