@@ -17,7 +17,7 @@ the same length) after a ~120-token prompt:
   llama.cpp's threads idle at zero CPU between requests), steadier than wall time on a shared machine.
 
 unimae: ``Encoder.from_pretrained(--model)`` at ``--precision`` (auto: bf16 where the CPU has it, with its
-bf16 weights; otherwise int8-decode: fp32 weights, read as int8 in the decode steps). llama.cpp: the model's
+bf16 weights; otherwise bf16-decode: fp32 weights, read as bf16 copies in the decode steps). llama.cpp: the model's
 own GGUF (Q4_1 for smollm2-135m) and, where
 ``unimae.export.gguf`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
 ``$UNIMAE_CACHE/gguf``). The comparison entry ``llama.cpp`` is the f16 file (16-bit weights like unimae's
