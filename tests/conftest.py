@@ -101,6 +101,30 @@ def tiny_train_config(tiny_dir, data, out, **overrides):
     return TrainConfig.from_dict(values)  # flag-named: the options of another method (p_mar) are dropped
 
 
+def short_train_config(tiny_dir, data, out, **overrides):
+    """tiny_train_config's run made short: 4 steps of 2 micro-batches of 2 texts at TrainConfig's lr (1e-4), a
+    rank-4 LoRA and a checkpoint every 2 steps (the trainer and resume tests' run)."""
+    values = dict(steps=4, micro_batch_size=2, save_every=2, lora_r=4, lora_alpha=8, lr=1e-4)
+    return tiny_train_config(tiny_dir, data, out, **{**values, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_run(tiny_model_dirs, tmp_path_factory):
+    """(TrainResult, model dir) of a finished 2-step run of the tiny Llama with checkpoints at steps 1 and 2,
+    trained once per session. Tests copy its adapter or checkpoints before they damage them."""
+    from unimae.training.config import TrainConfig
+    from unimae.training.trainer import train
+
+    root = tmp_path_factory.mktemp("trained-run")
+    corpus = root / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\na dog ran across the field\nrain fell on the city\nthe river flows\n")
+    config = TrainConfig(
+        model=str(tiny_model_dirs["llama"]), data=str(corpus), output_dir=str(root / "run"), steps=2, batch_size=2,
+        micro_batch_size=2, max_length=16, save_every=1, precision="fp32", lora_r=4, lora_alpha=8,
+    )  # fmt: skip
+    return train(config), tiny_model_dirs["llama"]
+
+
 def read_log(out) -> list[dict]:
     """The per-step records of a run's log.jsonl."""
     import json

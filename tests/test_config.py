@@ -1,11 +1,12 @@
-"""Config precedence: defaults < recipe < config file < explicit flags."""
+"""Config precedence: defaults < recipe < config file < explicit flags; damaged config files and impossible
+numbers are one clear error each."""
 
 import argparse
 import json
 
 import pytest
 
-from unimae.cli import build_parser
+from unimae.cli import build_parser, main
 from unimae.training.config import TrainConfig, resolve_config
 
 
@@ -87,6 +88,31 @@ def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
         TrainConfig(micro_batch_size=0).validate()
     with pytest.raises(ValueError, match="inside --output-dir"):  # the run would overwrite its own start
         TrainConfig(output_dir=str(tmp_path / "run"), init_adapter=str(tmp_path / "run" / "adapter")).validate()
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("c.json", b'{"steps": 3,'), ("c.yaml", b"steps: [3\n"), ("c.json", b"\xff\xfe{}"), ("c.yaml", b"\xff: 1\n")],
+)
+def test_damaged_config_file_names_the_file(tmp_path, capsys, name, content):
+    """Before: a malformed YAML file was a traceback, a malformed JSON one a message without the file name."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"config file {path}"):
+        resolve_config({"config": str(path)})
+    assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("threads", -2), ("save_every", -1), ("ce_chunk_size", 0), ("alpha", -0.1)]
+)
+def test_impossible_numbers_are_named(field, value):
+    """Before: --threads -2 was a RuntimeError traceback after loading the model, --ce-chunk-size 0 a
+    'range() arg 3 must not be zero' in the first step, and negative --save-every / --alpha were accepted."""
+    with pytest.raises(ValueError, match=f"{field} must be >= "):
+        TrainConfig.from_dict({field: value}).validate()
 
 
 def test_every_field_has_help_text():

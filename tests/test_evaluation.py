@@ -1,4 +1,5 @@
-"""mteb end to end on tiny models and small slices of the real data; cache; summary; bad input."""
+"""mteb end to end on tiny models and small slices of the real data; cache; summary; which runs are the same model
+(results reused); bad input."""
 
 import dataclasses
 import json
@@ -285,6 +286,22 @@ def test_summary_averages_come_from_the_task_jsons(tiny_model_dirs, tiny_encoder
     assert list(json.loads((tmp_path / "ablation.json").read_text())) == ["k=1"]
 
 
+def test_summary_labels_and_unknown_tasks(tmp_path):
+    from unimae.evaluation.summary import row_folder, task_type
+
+    (tmp_path / "k=1").mkdir()
+    assert row_folder(tmp_path, "k=1") == ("k=1", tmp_path / "k=1")
+    elsewhere = tmp_path / "other" / "k=1"
+    elsewhere.mkdir(parents=True)
+    assert row_folder(tmp_path, f"k=5={elsewhere}") == ("k=5", elsewhere)  # a label holding '=' renames a folder
+    assert row_folder(tmp_path, f"base={elsewhere}") == ("base", elsewhere)
+    with pytest.raises(ValueError, match="expected LABEL or LABEL=FOLDER"):
+        row_folder(tmp_path, "=nothing")
+    with pytest.raises(FileNotFoundError, match="no results folder"):
+        row_folder(tmp_path, "typo")
+    assert task_type("STSBenchmrk") == "unknown"  # a failed task's row, not a KeyError
+
+
 @needs_data
 def test_a_label_evaluated_for_another_model_sets_the_old_results_aside(tiny_encoder, data_slice, tmp_path):
     """Task-by-task runs of a new model under an old label never reuse the old model's task JSONs."""
@@ -304,6 +321,28 @@ def test_a_label_evaluated_for_another_model_sets_the_old_results_aside(tiny_enc
     assert "STS17" in run("second", "STS17").runtimes  # evaluated for the new model
     record = json.loads((folder / "run.json").read_text())
     assert record["model"] == "second" and set(record["tasks"]) == {"STSBenchmark", "STS17"}
+
+
+def test_an_adapter_is_known_by_its_content_not_its_path():
+    """What makes two evaluation runs "the same model", so that the first one's results are reused."""
+    from unimae.evaluation.embeddings import same_run
+
+    meta = {"model": "m", "adapter": "runs/x/adapter", "revision": "abc", "pooling": "eos", "data_dir": "d"}
+    assert same_run({**meta, "adapter": "./runs/x/adapter"}, meta)
+    assert not same_run({**meta, "revision": "def"}, meta)
+    assert not same_run({**meta, "data_dir": None}, meta)  # local files and the Hub's are other data
+    base = {**meta, "adapter": None, "revision": "base"}
+    assert not same_run({**base, "adapter": "a"}, base)
+
+
+def test_a_model_folder_changes_revision_when_its_weights_are_rewritten(tmp_path):
+    from unimae.adapter import model_revision
+
+    (tmp_path / "model.safetensors").write_bytes(b"old")
+    first = model_revision(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"new weights")
+    assert model_revision(str(tmp_path)) != first
+    assert model_revision("smollm2-135m") is None  # registry names and Hub ids name fixed weights
 
 
 @needs_data

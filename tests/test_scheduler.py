@@ -342,50 +342,6 @@ def _app(tiny_model_dirs, **config):
     return encoder, create_app(encoder, ServerConfig(model_name="tiny", **config))
 
 
-def test_queue_full_gives_429_with_continuous_batching(tiny_model_dirs, monkeypatch):
-    monkeypatch.setattr("unimae.serving.torch_engine.ModelLock", GatedLock)
-    encoder, app = _app(tiny_model_dirs, max_batch_generations=1, max_queued_generations=1)
-    state = app.state.server
-    slots, lock = state.slots, state.scheduler.lock
-    reserve, reserved = slots.reserve, []
-    body = {"prompt": "the cat", "max_tokens": 4, "temperature": 0}
-
-    async def main():
-        both_reserved = asyncio.Event()
-
-        def counted():  # the route reserves its place before it waits for a slot
-            reserve()
-            reserved.append(True)
-            if len(reserved) == 2:
-                both_reserved.set()
-
-        monkeypatch.setattr(slots, "reserve", counted)
-        state.scheduler.start()
-        loop = asyncio.get_running_loop()
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT) as http:
-            try:
-                running = asyncio.create_task(http.post("/v1/completions", json=body))
-                assert await loop.run_in_executor(None, lock.blocked.wait, WAIT)  # its prefill waits at the gate
-                queued = asyncio.create_task(http.post("/v1/completions", json=body))
-                await asyncio.wait_for(both_reserved.wait(), WAIT)
-                rejected = await http.post("/v1/completions", json={**body, "stream": True})
-                counts = (slots.running, slots.waiting)
-            finally:
-                lock.open()
-            answers = [(await running), (await queued)]
-        await loop.run_in_executor(None, state.scheduler.stop)
-        return counts, rejected, answers
-
-    counts, rejected, answers = asyncio.run(main())
-    assert counts == (1, 1)
-    assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"
-    expected = encoder.generate("the cat", max_new_tokens=4)
-    assert [a.status_code for a in answers] == [200, 200]
-    assert [a.json()["choices"][0]["text"] for a in answers] == [expected, expected]
-    assert (slots.running, slots.waiting) == (0, 0)
-
-
 def test_an_embedding_request_completes_while_a_generation_runs(tiny_model_dirs, monkeypatch):
     monkeypatch.setattr("unimae.serving.torch_engine.ModelLock", GatedLock)  # shared by the batcher and the scheduler
     encoder, app = _app(tiny_model_dirs)

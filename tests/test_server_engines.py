@@ -96,17 +96,20 @@ def test_one_model_id_rule_for_both_engines(tiny_sources, tmp_path):
     ids=["torch-batched", "torch-threads", "llama.cpp"],
 )
 def test_generation_queue_overflow_is_429_even_for_streams(tiny_sources, monkeypatch, kind, one_at_a_time):
+    """One generation runs and one waits in the queue's one place: a third, streamed, is refused with 429 at once
+    and takes no place; the two accepted then answer what the model answers alone (for the torch engines, what
+    ``Encoder.generate`` decodes outside the server)."""
     app = _app(kind, tiny_sources, max_queued_generations=1, **one_at_a_time)
     state = app.state.server
-    slots = state.slots
+    slots, engine = state.slots, state.engine
     release = threading.Event()  # the running generation holds its slot until the test releases it
+    generate = engine.generate
 
-    def blocked(ids, params, cancel):
+    def gated(ids, params, cancel):
         assert release.wait(WAIT), "the test never released the generation"
-        yield "hi"
-        yield GenerationResult("hi", 1, 1, "stop")
+        yield from generate(ids, params, cancel)
 
-    monkeypatch.setattr(state.engine, "generate", blocked)
+    monkeypatch.setattr(engine, "generate", gated)
 
     async def until(condition):
         async def poll():
@@ -116,25 +119,35 @@ def test_generation_queue_overflow_is_429_even_for_streams(tiny_sources, monkeyp
         await asyncio.wait_for(poll(), WAIT)
 
     async def main():
+        engine.start()  # as the lifespan does (the continuous-batching scheduler); ASGITransport runs no lifespan
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT) as http:
-            body = {"prompt": "the cat", "max_tokens": 4}
-            try:
-                running = asyncio.create_task(http.post("/v1/completions", json=body))
-                await until(lambda: slots.running == 1)
-                queued = asyncio.create_task(http.post("/v1/completions", json=body))
-                await until(lambda: slots.waiting == 1)
-                rejected = await http.post("/v1/completions", json={**body, "stream": True})
-                health = (await http.get("/health")).json()
-            finally:
-                release.set()
-            return (await running).status_code, (await queued).status_code, rejected, health
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT) as http:
+                body = {"prompt": "the cat", "max_tokens": 4, "temperature": 0}
+                try:
+                    running = asyncio.create_task(http.post("/v1/completions", json=body))
+                    await until(lambda: slots.running == 1)
+                    queued = asyncio.create_task(http.post("/v1/completions", json=body))
+                    await until(lambda: slots.waiting == 1)
+                    rejected = await http.post("/v1/completions", json={**body, "stream": True})
+                    health = (await http.get("/health")).json()
+                finally:
+                    release.set()
+                answers = [await running, await queued]
+                alone = await http.post("/v1/completions", json=body)  # the queue empty
+        finally:
+            await engine.stop()
+        return answers, rejected, health, alone
 
-    first, second, rejected, health = asyncio.run(main())
-    assert (first, second) == (200, 200)
+    answers, rejected, health, alone = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200, 200]
     assert rejected.status_code == 429 and rejected.json()["error"]["type"] == "rate_limit_error"
     assert health["engine"] == kind and health["slots"] == {"running": 1, "waiting": 1, "max_running": 1}
     assert (slots.running, slots.waiting) == (0, 0)
+    expected = alone.json()["choices"][0]["text"]
+    if kind == "torch":
+        assert expected == engine.encoder.generate("the cat", max_new_tokens=4)
+    assert [a.json()["choices"][0]["text"] for a in answers] == [expected, expected]
 
 
 def _sse(response: httpx.Response) -> list:
