@@ -58,6 +58,20 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _count_graph_passes(objective) -> list:
+    """The rows of each forward through ``objective``'s LLM that builds a graph (a gradient cache's step 3),
+    appended as they run."""
+    calls, real_hidden = [], objective._hidden
+
+    def hidden(batch, rows=slice(None)):
+        if torch.is_grad_enabled():
+            calls.append(rows)
+        return real_hidden(batch, rows)
+
+    objective._hidden = hidden
+    return calls
+
+
 def _config(tiny_dir, data, out, **overrides):
     return tiny_train_config(tiny_dir, data, out, **{"method": "contrastive", "steps": 4, **overrides})
 
@@ -83,23 +97,49 @@ def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric, lm_wei
 
     big = method.build_objective(model)
     assert type(big) is ContrastiveObjective
-    loss = big(batch)["loss"]
-    loss.backward()
+    plain = big(batch)
+    plain["loss"].backward()
     expected = _grads(model)
     model.zero_grad(set_to_none=True)
 
     options = {"symmetric_loss": symmetric, "lm_weight": lm_weight, "lm_texts": lm_texts, "grad_cache_chunk": 4}
     cached = _method(tokenizer, **options).build_objective(model)
-    assert isinstance(cached, GradCacheContrastiveObjective) and cached.runs_own_backward
-    calls = []
-    losses = cached.forward_backward(batch, lambda t: (calls.append(1), t.backward()))
-    assert len(calls) == math.ceil(15 / 4)  # 6 queries + 6 positives + 3 negatives, chunks of 4
-    assert torch.allclose(losses["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    assert isinstance(cached, GradCacheContrastiveObjective)
+    with_graph = _count_graph_passes(cached)
+    losses = cached(batch)
+    assert with_graph == [] and _grads(model) == {}, "forward alone builds no graph and leaves no gradient"
+    losses["loss"].backward()
+    assert len(with_graph) == math.ceil(15 / 4)  # 6 queries + 6 positives + 3 negatives, chunks of 4
+    assert losses.keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.allclose(losses[key], value.detach(), rtol=1e-5, atol=1e-6), key
     got = _grads(model)
     assert got.keys() == expected.keys() and len(got) > 0
     for name, grad in expected.items():
         scale = float(grad.abs().max())  # fp32 sums in another order: compare to the tensor's scale
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_grad_cache_backward_takes_the_callers_scale(tiny_model_dirs):
+    """The hook scales each chunk's backward by the gradient the loss receives (the trainer's 1 / accum, a
+    loss scale), and leaves the RNG as backward found it; without grad, forward only computes the values."""
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["qwen2"]), dtype=torch.float32)
+    model.train()
+    method = _method(tokenizer, grad_cache_chunk=4, lm_weight=0.5)
+    objective, batch = method.build_objective(model), method.collate(_records(6), list(range(6)))
+    objective(batch)["loss"].backward()
+    whole = _grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = objective(batch)["loss"]
+    rng = torch.get_rng_state()
+    (loss * 0.25).backward()
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, whole[name] * 0.25, msg=name)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        values = objective(batch)
+    assert not values["loss"].requires_grad and torch.allclose(values["loss"], loss.detach())
 
 
 def test_grad_cache_replays_dropout(tiny_model_dirs):
@@ -121,7 +161,7 @@ def test_grad_cache_replays_dropout(tiny_model_dirs):
         return out
 
     objective._hidden = hidden
-    objective.forward_backward(batch, lambda t: t.backward())
+    objective(batch)["loss"].backward()
     no_grad = [z for grad, z in seen if not grad]
     with_grad = [z for grad, z in seen if grad]
     assert len(no_grad) == len(with_grad) == 5

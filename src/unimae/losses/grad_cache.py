@@ -7,11 +7,15 @@ without a graph, in chunks, (2) compute the loss on the (N, D) embeddings and it
 (3) re-run each chunk with a graph and back-propagate ``sum(z_chunk * g_chunk)``, whose parameter gradient
 is the chunk's share of dL/dtheta. The sum over chunks is the one-big-batch gradient; memory is one chunk's
 graph. Each chunk's RNG state is saved before (1) and restored before (3), so dropout draws the same masks.
+
+Steps (1) and (2) run in ``forward``, which returns the loss as a leaf tensor; step (3) is a hook on that leaf,
+so it runs inside the caller's ordinary ``loss.backward()``, scaled by the gradient the loss receives there
+(the trainer's ``1 / accum``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -32,17 +36,31 @@ class _RngState:
             torch.cuda.set_rng_state(self.cuda)
 
 
+class _AutocastState:
+    """The autocast setting of ``device_type`` now, to re-enter in the backward pass (which may run on another
+    thread, without the caller's ``torch.autocast``), as ``torch.amp.custom_bwd`` does."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.enabled = torch.is_autocast_enabled(device_type)
+        self.dtype = torch.get_autocast_dtype(device_type)
+        self.cache = torch.is_autocast_cache_enabled()
+
+    def enter(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache)
+
+
 class GradCacheContrastiveObjective(ContrastiveObjective):
     """:class:`ContrastiveObjective` with a gradient cache over chunks of ``chunk_size`` texts (see the module doc).
 
-    ``forward_backward(batch, backward)`` leaves the same parameter gradients as ``backward(forward(batch)
-    ["loss"])`` (tested), with one chunk's graph in memory at a time, for one extra no-grad forward. Texts
-    are chunked in order of length, so a chunk carries little padding. In-batch negatives span the batch
-    handed in, so the trainer's micro-batch must be the whole batch, on one process. The LM term needs no
-    cache: it is a sum over texts, so each chunk back-propagates its own share with its graph in step (3).
+    ``forward(batch)`` returns the same losses as the parent's, and ``backward()`` of its ``"loss"`` leaves the
+    same parameter gradients (tested), with one chunk's graph in memory at a time, for one extra no-grad forward.
+    Texts are chunked in order of length, so a chunk carries little padding. In-batch negatives span the batch
+    handed in, so the trainer's micro-batch must be the whole batch, on one process (the re-runs happen inside
+    backward, outside any DDP wrapper's forward). The LM term needs no cache: it is a sum over texts, so each
+    chunk back-propagates its own share with its graph in step (3); its value is also computed in (1), because
+    ``forward`` returns the loss before backward runs (one more output-head forward over the scored positives).
     """
-
-    runs_own_backward = True
 
     def __init__(self, llm: nn.Module, *args, chunk_size: int = 32, **kwargs):
         super().__init__(llm, *args, **kwargs)
@@ -50,28 +68,43 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
             raise ValueError(f"the gradient cache needs a chunk size >= 1, got {chunk_size}")
         self.chunk_size = chunk_size
 
-    def forward_backward(self, batch, backward: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
+    def forward(self, batch) -> dict[str, torch.Tensor]:
         lengths = batch["attention_mask"].sum(1)  # (N,)
         order = torch.argsort(lengths, descending=True, stable=True)  # longest first: peak memory shows at once
         chunks = list(order.split(self.chunk_size))
-        states, parts = [], []
+        states, parts, lm = [], [], torch.zeros((), device=lengths.device)
         with torch.no_grad():
-            for rows in chunks:  # (1) embeddings without a graph
+            for rows in chunks:  # (1) embeddings and the LM term's value, without a graph
                 states.append(_RngState())
-                parts.append(self.embed(batch, rows))
-        after = _RngState()
+                part, lm_part = self.embed_and_lm(batch, rows)  # (R, D), scalar
+                parts.append(part)
+                lm = lm + lm_part
         z = torch.empty(len(order), parts[0].shape[-1], device=parts[0].device)  # (N, D)
         z[order] = torch.cat(parts)
-        z.requires_grad_(True)
-        with torch.enable_grad():
-            loss = self.loss(z, batch)
-            (grad,) = torch.autograd.grad(loss, z)  # (2) (N, D) dL/dz: the cache
-        lm = torch.zeros((), device=z.device)
-        for rows, state in zip(chunks, states, strict=True):
-            state.restore()  # same dropout masks as in (1)
-            part, lm_part = self.embed_and_lm(batch, rows)  # (3) one chunk with its graph; its share of L_LM
-            backward((part * grad[rows]).sum() + lm_part)
-            lm = lm + lm_part.detach()
-        after.restore()
-        out = {"loss": (loss + lm).detach(), "contrastive": loss.detach()}
+        contrastive, loss = self._cached_loss(z, lm, batch, chunks, states)
+        out = {"loss": loss, "contrastive": contrastive}
         return {**out, "lm": lm / self.lm_weight} if self.lm_weight else out
+
+    def _cached_loss(self, z, lm, batch, chunks, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """(2): (the contrastive loss, detached; L = contrastive + lm as a leaf whose backward hook runs (3))."""
+        if not torch.is_grad_enabled():  # no backward to come (evaluation): the values only
+            contrastive = self.loss(z, batch)
+            return contrastive, contrastive + lm
+        z.requires_grad_(True)
+        contrastive = self.loss(z, batch)
+        (grad,) = torch.autograd.grad(contrastive, z)  # (N, D) dL/dz: the cache
+        loss = (contrastive + lm).detach().requires_grad_(True)
+        amp = _AutocastState(z.device.type)
+        loss.register_hook(partial(self._replay, batch=batch, chunks=chunks, states=states, grad=grad, amp=amp))
+        return contrastive.detach(), loss
+
+    def _replay(self, grad_output: torch.Tensor, batch, chunks, states, grad, amp: _AutocastState) -> None:
+        """(3), the hook on L: each chunk re-run with its graph and its share of L back-propagated, times
+        ``grad_output`` (dOut/dL of the caller's backward); the RNG is left as the hook found it."""
+        outer = _RngState()
+        with torch.enable_grad(), amp.enter():
+            for rows, state in zip(chunks, states, strict=True):
+                state.restore()  # same dropout masks as in (1)
+                part, lm_part = self.embed_and_lm(batch, rows)  # (R, D), this chunk's share of lm_weight x L_LM
+                torch.autograd.backward(((part * grad[rows]).sum() + lm_part) * grad_output)
+        outer.restore()
