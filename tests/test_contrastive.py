@@ -142,6 +142,41 @@ def test_grad_cache_backward_takes_the_callers_scale(tiny_model_dirs):
     assert not values["loss"].requires_grad and torch.allclose(values["loss"], loss.detach())
 
 
+@pytest.mark.parametrize("lm_texts", [0, 4])
+def test_grad_cache_lm_term_runs_the_output_head_in_the_graph_pass_only(tiny_model_dirs, lm_texts):
+    """With --lm-weight the no-grad pass embeds only: the output head runs once per chunk holding scored positives,
+    in the graph pass (the hook), which then writes the LM value into the returned losses; after backward they
+    equal the one-big-batch objective's. Under no_grad, forward computes every value at once."""
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["qwen2"]), dtype=torch.float32)
+    model.train()
+    method = _method(tokenizer, lm_weight=0.5, lm_texts=lm_texts)
+    batch = method.collate(_records(6), list(range(6)))
+    plain = method.build_objective(model)(batch)
+    model.zero_grad(set_to_none=True)
+
+    cached = _method(tokenizer, lm_weight=0.5, lm_texts=lm_texts, grad_cache_chunk=4).build_objective(model)
+    head_passes = []  # grad enabled, per output-head pass (NextTokenLoss reads the head's weight, not its forward)
+    cached.ntp.register_forward_hook(lambda *_: head_passes.append(torch.is_grad_enabled()))
+    with_graph = _count_graph_passes(cached)
+    losses = cached(batch)
+    assert head_passes == [], "forward runs no output head"
+    assert torch.isnan(losses["lm"]) and torch.equal(losses["loss"].detach(), losses["contrastive"]), "not yet"
+    losses["loss"].backward()
+    b, scored = 6, lm_texts or 6  # rows b .. b + scored - 1: the scored positives
+    holding = [rows for rows in with_graph if ((rows >= b) & (rows < b + scored)).any()]
+    assert len(with_graph) == 4 and head_passes == [True] * len(holding) and len(holding) > 0
+    for key in ("loss", "contrastive", "lm"):
+        assert torch.allclose(losses[key], plain[key].detach(), rtol=1e-5, atol=1e-6), key
+    model.zero_grad(set_to_none=True)
+
+    head_passes.clear()
+    with torch.no_grad():
+        values = cached(batch)
+    assert head_passes == [False] * len(holding)
+    for key in ("loss", "contrastive", "lm"):
+        assert torch.allclose(values[key], plain[key].detach(), rtol=1e-5, atol=1e-6), key
+
+
 def test_grad_cache_replays_dropout(tiny_model_dirs):
     model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
     set_attention_dropout(model, 0.3)
@@ -190,13 +225,17 @@ def test_lm_term_is_the_next_token_loss_of_the_positives(tiny_model_dirs):
     assert float(first_two["lm"]) == pytest.approx(float(torch.stack(expected[:2]).mean()), rel=1e-5)
 
 
-def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("lm_weight", [0.0, 0.5])
+def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, tmp_path, lm_weight):
+    """The logged values too: with --lm-weight the cache's LM value is written in backward, before the log."""
     tiny = tiny_model_dirs["qwen2"]
     data = _write(tmp_path / "pairs.jsonl", _records(8))
-    train(_config(tiny, data, tmp_path / "plain", steps=3))
-    train(_config(tiny, data, tmp_path / "cached", steps=3, grad_cache_chunk=3))
+    train(_config(tiny, data, tmp_path / "plain", steps=3, lm_weight=lm_weight))
+    train(_config(tiny, data, tmp_path / "cached", steps=3, lm_weight=lm_weight, grad_cache_chunk=3))
     for a, b in zip(_log(tmp_path / "plain"), _log(tmp_path / "cached"), strict=True):
-        assert a["contrastive"] == pytest.approx(b["contrastive"], rel=1e-4)
+        assert a.keys() == b.keys() and ("lm" in a) == bool(lm_weight)
+        for key in ("loss", "contrastive", "lm")[: 3 if lm_weight else 2]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
 
 

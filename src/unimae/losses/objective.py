@@ -11,6 +11,13 @@ The trainer back-propagates ``"loss"`` (divided by the accumulation steps) the s
 An objective that needs more than one backward pass (the gradient cache: embed the whole batch without a
 graph, then re-run each chunk with one) registers a hook on its loss that runs them inside that backward,
 scaled by the gradient the loss receives there.
+
+Such an objective may complete its logged values in that backward: a term it computes only in the graph
+passes (the gradient cache's LM term) is written into the returned tensors, ``"loss"`` included, in place,
+under ``torch.no_grad()``. So the values of ``forward``'s dict are final after the backward of ``"loss"``, not
+before (the gradient cache: until then ``"loss"`` holds the contrastive part, ``"lm"`` is NaN); the trainer
+reads them only after ``backward``. Under ``torch.no_grad()`` (no backward to come) ``forward`` returns final
+values.
 """
 
 from __future__ import annotations

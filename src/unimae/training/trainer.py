@@ -391,7 +391,8 @@ def _optimizer(config: TrainConfig, method: Method, objective: torch.nn.Module):
 
 def _forward_backward(run: _Run, batch) -> dict:
     """Loss and gradients of one micro-batch: forward through the (DDP-)wrapped objective, then backward (a
-    gradient cache's per-chunk passes run inside it, as a hook on the loss)."""
+    gradient cache's per-chunk passes run inside it, as a hook on the loss). The returned values are final only
+    after that backward (the gradient cache writes its LM term in the hook), so nothing reads them in between."""
     losses = run.objective(batch)
     run.accelerator.backward(losses["loss"] / run.accum)
     return losses
