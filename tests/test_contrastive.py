@@ -58,6 +58,20 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _count_graph_passes(objective) -> list:
+    """The rows of each forward through ``objective``'s LLM that builds a graph (a gradient cache's step 3),
+    appended as they run."""
+    calls, real_hidden = [], objective._hidden
+
+    def hidden(batch, rows=slice(None)):
+        if torch.is_grad_enabled():
+            calls.append(rows)
+        return real_hidden(batch, rows)
+
+    objective._hidden = hidden
+    return calls
+
+
 def _config(tiny_dir, data, out, **overrides):
     return tiny_train_config(tiny_dir, data, out, **{"method": "contrastive", "steps": 4, **overrides})
 
@@ -83,23 +97,84 @@ def test_grad_cache_gives_the_one_big_batch_gradient(tiny_dir, symmetric, lm_wei
 
     big = method.build_objective(model)
     assert type(big) is ContrastiveObjective
-    loss = big(batch)["loss"]
-    loss.backward()
+    plain = big(batch)
+    plain["loss"].backward()
     expected = _grads(model)
     model.zero_grad(set_to_none=True)
 
     options = {"symmetric_loss": symmetric, "lm_weight": lm_weight, "lm_texts": lm_texts, "grad_cache_chunk": 4}
     cached = _method(tokenizer, **options).build_objective(model)
-    assert isinstance(cached, GradCacheContrastiveObjective) and cached.runs_own_backward
-    calls = []
-    losses = cached.forward_backward(batch, lambda t: (calls.append(1), t.backward()))
-    assert len(calls) == math.ceil(15 / 4)  # 6 queries + 6 positives + 3 negatives, chunks of 4
-    assert torch.allclose(losses["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    assert isinstance(cached, GradCacheContrastiveObjective)
+    with_graph = _count_graph_passes(cached)
+    losses = cached(batch)
+    assert with_graph == [] and _grads(model) == {}, "forward alone builds no graph and leaves no gradient"
+    losses["loss"].backward()
+    assert len(with_graph) == math.ceil(15 / 4)  # 6 queries + 6 positives + 3 negatives, chunks of 4
+    assert losses.keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.allclose(losses[key], value.detach(), rtol=1e-5, atol=1e-6), key
     got = _grads(model)
     assert got.keys() == expected.keys() and len(got) > 0
     for name, grad in expected.items():
         scale = float(grad.abs().max())  # fp32 sums in another order: compare to the tensor's scale
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_grad_cache_backward_takes_the_callers_scale(tiny_model_dirs):
+    """The hook scales each chunk's backward by the gradient the loss receives (the trainer's 1 / accum, a
+    loss scale), and leaves the RNG as backward found it; without grad, forward only computes the values."""
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["qwen2"]), dtype=torch.float32)
+    model.train()
+    method = _method(tokenizer, grad_cache_chunk=4, lm_weight=0.5)
+    objective, batch = method.build_objective(model), method.collate(_records(6), list(range(6)))
+    objective(batch)["loss"].backward()
+    whole = _grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = objective(batch)["loss"]
+    rng = torch.get_rng_state()
+    (loss * 0.25).backward()
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, whole[name] * 0.25, msg=name)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        values = objective(batch)
+    assert not values["loss"].requires_grad and torch.allclose(values["loss"], loss.detach())
+
+
+@pytest.mark.parametrize("lm_texts", [0, 4])
+def test_grad_cache_lm_term_runs_the_output_head_in_the_graph_pass_only(tiny_model_dirs, lm_texts):
+    """With --lm-weight the no-grad pass embeds only: the output head runs once per chunk holding scored positives,
+    in the graph pass (the hook), which then writes the LM value into the returned losses; after backward they
+    equal the one-big-batch objective's. Under no_grad, forward computes every value at once."""
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["qwen2"]), dtype=torch.float32)
+    model.train()
+    method = _method(tokenizer, lm_weight=0.5, lm_texts=lm_texts)
+    batch = method.collate(_records(6), list(range(6)))
+    plain = method.build_objective(model)(batch)
+    model.zero_grad(set_to_none=True)
+
+    cached = _method(tokenizer, lm_weight=0.5, lm_texts=lm_texts, grad_cache_chunk=4).build_objective(model)
+    head_passes = []  # grad enabled, per output-head pass (NextTokenLoss reads the head's weight, not its forward)
+    cached.ntp.register_forward_hook(lambda *_: head_passes.append(torch.is_grad_enabled()))
+    with_graph = _count_graph_passes(cached)
+    losses = cached(batch)
+    assert head_passes == [], "forward runs no output head"
+    assert torch.isnan(losses["lm"]) and torch.equal(losses["loss"].detach(), losses["contrastive"]), "not yet"
+    losses["loss"].backward()
+    b, scored = 6, lm_texts or 6  # rows b .. b + scored - 1: the scored positives
+    holding = [rows for rows in with_graph if ((rows >= b) & (rows < b + scored)).any()]
+    assert len(with_graph) == 4 and head_passes == [True] * len(holding) and len(holding) > 0
+    for key in ("loss", "contrastive", "lm"):
+        assert torch.allclose(losses[key], plain[key].detach(), rtol=1e-5, atol=1e-6), key
+    model.zero_grad(set_to_none=True)
+
+    head_passes.clear()
+    with torch.no_grad():
+        values = cached(batch)
+    assert head_passes == [False] * len(holding)
+    for key in ("loss", "contrastive", "lm"):
+        assert torch.allclose(values[key], plain[key].detach(), rtol=1e-5, atol=1e-6), key
 
 
 def test_grad_cache_replays_dropout(tiny_model_dirs):
@@ -121,7 +196,7 @@ def test_grad_cache_replays_dropout(tiny_model_dirs):
         return out
 
     objective._hidden = hidden
-    objective.forward_backward(batch, lambda t: t.backward())
+    objective(batch)["loss"].backward()
     no_grad = [z for grad, z in seen if not grad]
     with_grad = [z for grad, z in seen if grad]
     assert len(no_grad) == len(with_grad) == 5
@@ -150,13 +225,17 @@ def test_lm_term_is_the_next_token_loss_of_the_positives(tiny_model_dirs):
     assert float(first_two["lm"]) == pytest.approx(float(torch.stack(expected[:2]).mean()), rel=1e-5)
 
 
-def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("lm_weight", [0.0, 0.5])
+def test_training_with_grad_cache_follows_the_plain_loss_curve(tiny_model_dirs, tmp_path, lm_weight):
+    """The logged values too: with --lm-weight the cache's LM value is written in backward, before the log."""
     tiny = tiny_model_dirs["qwen2"]
     data = _write(tmp_path / "pairs.jsonl", _records(8))
-    train(_config(tiny, data, tmp_path / "plain", steps=3))
-    train(_config(tiny, data, tmp_path / "cached", steps=3, grad_cache_chunk=3))
+    train(_config(tiny, data, tmp_path / "plain", steps=3, lm_weight=lm_weight))
+    train(_config(tiny, data, tmp_path / "cached", steps=3, lm_weight=lm_weight, grad_cache_chunk=3))
     for a, b in zip(_log(tmp_path / "plain"), _log(tmp_path / "cached"), strict=True):
-        assert a["contrastive"] == pytest.approx(b["contrastive"], rel=1e-4)
+        assert a.keys() == b.keys() and ("lm" in a) == bool(lm_weight)
+        for key in ("loss", "contrastive", "lm")[: 3 if lm_weight else 2]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
 
 

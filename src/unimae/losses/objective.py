@@ -7,17 +7,20 @@ plus detached parts for the log (``"mar"``, ``"mrc"``, ...). The trainer calls `
 every optimizer step; objectives with a schedule over steps (GEM's NTP -> contrastive switch) override it.
 An objective owns its auxiliary heads (the MRC tiny decoder): saving the LLM never writes them.
 
-An objective that must run its own backward passes (a gradient cache: embed the whole batch without a
-graph, take the loss's gradient w.r.t. the embeddings, then re-run each mini-batch with grad) sets
-``runs_own_backward = True`` and implements ``forward_backward(batch, backward)``: the trainer then calls
-that instead of ``forward`` + backward, and ``backward(tensor)`` applies the trainer's scaling
-(accumulation) and mixed-precision/DDP handling to whatever the objective back-propagates.
+The trainer back-propagates ``"loss"`` (divided by the accumulation steps) the same way for every objective.
+An objective that needs more than one backward pass (the gradient cache: embed the whole batch without a
+graph, then re-run each chunk with one) registers a hook on its loss that runs them inside that backward,
+scaled by the gradient the loss receives there.
+
+Such an objective may complete its logged values in that backward: a term it computes only in the graph
+passes (the gradient cache's LM term) is written into the returned tensors, ``"loss"`` included, in place,
+under ``torch.no_grad()``. So the values of ``forward``'s dict are final after the backward of ``"loss"``, not
+before (the gradient cache: until then ``"loss"`` holds the contrastive part, ``"lm"`` is NaN); the trainer
+reads them only after ``backward``. Under ``torch.no_grad()`` (no backward to come) ``forward`` returns final
+values.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,11 +38,5 @@ class Objective(nn.Module):
     def set_step(self, step: int) -> None:
         """Called with the 0-based optimizer step before it runs; no-op unless the objective has a schedule."""
 
-    runs_own_backward: ClassVar[bool] = False
-
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def forward_backward(self, batch: Batch, backward: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
-        """Losses of ``batch`` with the gradients already accumulated (only if ``runs_own_backward``)."""
         raise NotImplementedError

@@ -390,15 +390,11 @@ def _optimizer(config: TrainConfig, method: Method, objective: torch.nn.Module):
 
 
 def _forward_backward(run: _Run, batch) -> dict:
-    """Loss and gradients of one micro-batch: forward through the (DDP-)wrapped objective, then backward;
-    an objective that runs its own backward passes (``runs_own_backward``, e.g. a gradient cache) is
-    handed the backward function instead."""
-    acc = run.accelerator
-    inner = acc.unwrap_model(run.objective)
-    if inner.runs_own_backward:
-        return inner.forward_backward(batch, lambda loss: acc.backward(loss / run.accum))
+    """Loss and gradients of one micro-batch: forward through the (DDP-)wrapped objective, then backward (a
+    gradient cache's per-chunk passes run inside it, as a hook on the loss). The returned values are final only
+    after that backward (the gradient cache writes its LM term in the hook), so nothing reads them in between."""
     losses = run.objective(batch)
-    acc.backward(losses["loss"] / run.accum)
+    run.accelerator.backward(losses["loss"] / run.accum)
     return losses
 
 
