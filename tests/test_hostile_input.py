@@ -20,7 +20,7 @@ import unimae.embedding.tokenization
 from unimae.cli import main
 from unimae.cli.embed import read_texts
 from unimae.embedding.pooling import build_inputs
-from unimae.embedding.tokenization import TextTooLongWarning, char_budget
+from unimae.embedding.tokenization import TextTooLongWarning, char_budget, prose_cut
 from unimae.encoder import Encoder
 from unimae.generation.prompt import prompt_ids
 from unimae.models import resolve_model_path
@@ -102,9 +102,9 @@ def test_prompt_ids_are_the_whole_prompts_within_the_limit_and_read_no_further_b
     tokens. Before: every prompt was tokenized whole (a 4 MB prompt: +0.63 GB and 4.7 s before its 400)."""
     tokenizer = _tokenizer(arch)
     recording = RecordingTokenizer(tokenizer)
-    cut = char_budget(tokenizer, limit + 1)
+    cut, first = char_budget(tokenizer, limit + 1), prose_cut(tokenizer, limit + 1)
     words = " ".join(SENTENCES * 3).split()
-    texts = [source[:n] for source in HOSTILE for n in range(max(cut - 60, 1), cut + 61, 3)]
+    texts = [source[:n] for source in HOSTILE for c in (first, cut) for n in range(max(c - 60, 1), c + 61, 3)]
     texts += [" ".join(words[:k]) for k in range(1, 3 * limit)] + HOSTILE  # fits, fits exactly, one token over ...
     for text in texts:
         whole = prompt_ids(tokenizer, text, chat=chat)
@@ -112,8 +112,22 @@ def test_prompt_ids_are_the_whole_prompts_within_the_limit_and_read_no_further_b
         if len(whole) <= limit:
             assert bounded == whole, text[:80]
         else:
-            assert len(bounded) > limit, text[:80]
+            assert len(bounded) > limit and bounded[: limit + 1] == whole[: limit + 1], text[:80]
     assert recording.longest <= cut
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_a_long_prose_prompt_is_refused_from_its_first_prose_chars(arch, chat):
+    """Prose over the limit is known to be too long from its first ``prose_cut`` characters (the offsets show
+    its first limit + 1 ids end well before the cut), not the worst-case ``char_budget``. Before: a 4 MB prompt
+    against SmolLM2's 8k context was tokenized to 660k characters (150k tokens, +0.13 GB kept by the server's
+    worker thread) to be refused."""
+    tokenizer, limit = _tokenizer(arch), 40
+    recording = RecordingTokenizer(tokenizer)
+    prompt = " ".join(SENTENCES) * 400
+    ids = prompt_ids(recording, prompt, limit, chat=chat)
+    assert len(ids) > limit and ids[: limit + 1] == prompt_ids(tokenizer, prompt, chat=chat)[: limit + 1]
+    assert recording.longest <= prose_cut(tokenizer, limit + 1) < char_budget(tokenizer, limit + 1)
 
 
 def test_unimae_generate_refuses_a_prompt_over_the_context(tiny_model_dirs, monkeypatch, capsys):
