@@ -63,6 +63,50 @@ def test_an_idle_pool_shrinks_back_after_a_long_generation():
     assert (pool.slots, pool.capacity) == (1, 64)
 
 
+def test_a_slot_takes_its_positions_as_the_generation_goes_within_the_budget():
+    """A generation that may run to 300 positions starts with room for its prompt (64: the pool's least) and
+    the pool doubles as it asks; the budget is still counted on its whole length. Before, every slot had room
+    for 512 at once (8 SmolLM2 streams asking 256 tokens and left after one: 0.19 GB of KV pool)."""
+    pool = KVPool(num_layers=2, kv_heads=1, head_dim=4, device=torch.device("cpu"))
+    cache = pool.acquire(300, room=11)
+    assert (pool.slots, pool.capacity, cache.layers[0].capacity) == (1, 64, 64)
+    cache.layers[1].append(torch.ones(1, 1, 64, 4), torch.full((1, 1, 64, 4), 2.0))
+    pool.reserve(cache, 64)
+    assert pool.capacity == 64, "no growth while it fits"
+    pool.reserve(cache, 65)
+    assert (pool.capacity, cache.layers[1].capacity) == (128, 128)
+    assert torch.equal(cache.layers[1].keys, torch.ones(1, 1, 64, 4)) and cache.layers[1].values.eq(2).all()
+    assert cache.layers[1].keys.data_ptr() == pool.keys[1].data_ptr(), "rebound to the grown storage"
+    with pytest.raises(RuntimeError, match="KV cache full"):
+        pool.reserve(cache, 301)
+    pool.max_bytes = pool.nbytes(2, 512)
+    second = pool.acquire(200, room=5)
+    assert second is not None, "two slots of 512 (the first one's whole length): fits"
+    assert pool.acquire(10, room=5) is None, "four slots of 512 would not, though 128 are allocated"
+
+
+def test_pooled_generations_that_grow_mid_decode_equal_caches_of_their_own(tiny_model_dirs):
+    """Rows whose pool slot grows (64 -> 128 -> 256) while they decode give the tokens of the same rows decoded
+    with caches of their own, allocated whole at the start."""
+    model, tokenizer = _model(tiny_model_dirs)
+    prompts, new = [ids for ids in _prompts(tokenizer, 4) if len(ids) < 63], 150  # 3 prompts: room for 64
+    own = Decoder(model)
+    own.pool.max_bytes = 0  # every generation gets a cache of its own
+    pooled = Decoder(model)
+    results = []
+    for decoder in (own, pooled):
+        states = [decoder.start(ids, GenerationParams(max_new_tokens=new), set()) for ids in prompts]
+        got = [[t] for t in decoder.prefill_many(states)]
+        owned = [decoder.pool.owns(s.cache) for s in states]
+        assert owned == [decoder is pooled] * len(states) and pooled.pool.capacity in (0, 64)
+        for _ in range(new - 1):
+            for out, token in zip(got, decoder.step(states), strict=True):
+                out.append(token)
+        results.append(got)
+    assert pooled.pool.capacity == 256
+    assert results[0] == results[1]
+
+
 def _alone(model, ids: list[int], new: int) -> list[int]:
     return list(decode_tokens(model, ids, GenerationParams(max_new_tokens=new), set()))
 

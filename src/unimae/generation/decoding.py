@@ -7,8 +7,8 @@ transformers' forward adds module calls, mask and position bookkeeping and atten
 each layer. :func:`decode_tokens` keeps what a step needs:
 
 * prefill with the model's own forward (LoRA merged or not, as loaded), logits for the last position only;
-* a KV cache preallocated for the prompt and ``max_new_tokens`` (:class:`PreallocatedLayer`): a step
-  writes one position and attends over a view;
+* a KV cache preallocated for the prompt and ``max_new_tokens`` (:class:`PreallocatedLayer`; a slot of a
+  :class:`KVPool` grows to them as the generation goes): a step writes one position and attends over a view;
 * one-token steps on the CPU fast path of :mod:`unimae.generation.fast_path` where it applies (its
   :class:`LlamaStep` for Llama-family models, oneDNN-packed bf16 weights, int8 weights under the int8
   precisions), the model's forward otherwise;
@@ -106,13 +106,14 @@ class DecodeState:
         """The state before the prefill: a cache for the prompt and ``max_new_tokens`` with the reusable part
         of ``past_key_values`` copied in (not modified; see :func:`reusable_prefix`), a seeded sampler.
         ``kv_dtype``: what the cache stores (:attr:`Decoder.kv_dtype`; default: the model's keys' dtype);
-        ``pool``: where the cache goes if it has room (:attr:`Decoder.pool`)."""
+        ``pool``: where the cache goes if it has room (:attr:`Decoder.pool`), with room for the prompt and its
+        first new token; :meth:`Decoder.step` reserves each next position."""
         if not input_ids:
             raise ValueError("the prompt is empty: generation needs at least one token (e.g. BOS)")
         device = next(model.parameters()).device
         cached = reusable_prefix(past_key_values, len(input_ids))
         capacity = len(input_ids) + params.max_new_tokens
-        cache = start_cache(model, capacity, past_key_values, cached, kv_dtype, pool)
+        cache = start_cache(model, capacity, past_key_values, cached, kv_dtype, pool, room=len(input_ids) + 1)
         generator = None
         if params.temperature > 0:
             generator = torch.Generator(device=device)
@@ -221,6 +222,9 @@ class Decoder:
     def step(self, states: list[DecodeState]) -> list[int]:
         """One new token for each of ``states`` (prefilled, not finished), in one forward where it can."""
         with step_context(self.precision, self.device, self.packed):
+            for state in states:  # a pool slot takes its positions as the generation goes
+                if self.pool is not None and self.pool.owns(state.cache):
+                    self.pool.reserve(state.cache, state.cache.get_seq_length() + 1)
             logits: list[torch.Tensor | None] = [None] * len(states)
             lean = [i for i, s in enumerate(states) if self.lean is not None and preallocated(s.cache)]
             lean.sort(key=lambda i: getattr(states[i].cache, "pool_slot", None) or 0)  # pooled rows in slot order

@@ -170,12 +170,18 @@ class KVPool:
     and attends over them in one call. ``benchmarks/generation.py`` measures the 8-stream rate this serves;
     docs/results.md ("Speed on a quiet machine") has the step timings.
 
-    Growth: a slot for each generation (slots double when none is free), the capacity of the longest one
+    Growth: a slot for each generation (slots double when none is free), the capacity of the longest one so far
     rounded up to a power of two (at least 64); growing copies what is written and rebinds the live caches,
-    so a step never sees it happen. An idle pool more than twice as long as the next generation needs
-    starts over small, so one long generation does not leave every later slot that long. A generation that
-    would take the pool beyond ``max_bytes`` gets a cache of its own (:meth:`acquire` returns None); the
-    step then attends row by row.
+    layer by layer, so a step never sees it happen and the old and new storage of only one layer coexist. A
+    generation takes its positions as it goes: it comes with room for its prompt (:meth:`acquire`'s ``room``)
+    and the decoder asks for each next position (:meth:`reserve`), not with its whole ``max_tokens`` at once,
+    since every slot has the pool's capacity: one stream that asks for 256 tokens and is left after its first
+    (a client that goes) made 8 slots of SmolLM2 512 positions long, 0.19 GB, where 64 do. An idle pool more
+    than twice as long as the next generation needs starts over small, so one long generation does not leave
+    every later slot that long. A generation whose whole length (prompt and ``max_new_tokens``), in every slot,
+    would take the pool beyond ``max_bytes`` gets a cache of its own (:meth:`acquire` returns None); the step
+    then attends row by row. So growth on demand never passes ``max_bytes``: it stops at the longest whole
+    length of the generations in the pool, which that check counted.
     Slots are given back by :meth:`release` (a cache's ``pool_release``, also run when the cache is collected).
     """
 
@@ -194,7 +200,7 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.slots = self.capacity = 0
         self._free: list[int] = []
-        self._owners: dict[int, tuple[object, weakref.ref]] = {}  # slot -> (ticket, its cache)
+        self._owners: dict[int, tuple[object, weakref.ref, int]] = {}  # slot -> (ticket, its cache, capacity)
         self._lock = threading.Lock()
 
     def nbytes(self, slots: int, capacity: int) -> int:
@@ -202,32 +208,45 @@ class KVPool:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * slots * self.kv_heads * capacity * self.head_dim * itemsize
 
-    def acquire(self, capacity: int) -> DynamicCache | None:
-        """A cache of at least ``capacity`` positions in a free slot (the pool grows if needed), or None if that
-        would take the pool beyond ``max_bytes``."""
+    def acquire(self, capacity: int, room: int | None = None) -> DynamicCache | None:
+        """A cache for a generation of at most ``capacity`` positions in a free slot, with room for ``room`` of them
+        now (default: all; more with :meth:`reserve`), or None if ``capacity`` positions in every slot would take
+        the pool beyond ``max_bytes``. The pool grows if needed."""
+        room = capacity if room is None else min(room, capacity)
         with self._lock:
-            if not self._owners and capacity < self.capacity // 2:  # idle and too big: start small again
+            if not self._owners and room < self.capacity // 2:  # idle and too big: start small again
                 self.keys, self.values, self._free = [], [], []
                 self.slots = self.capacity = 0
             slots = self.slots if self._free else max(1, 2 * self.slots)
-            room = self.capacity
-            if capacity > room:
-                room = max(64, 1 << (capacity - 1).bit_length())
-            if (slots, room) != (self.slots, self.capacity):
-                if self.nbytes(slots, room) > self.max_bytes:
-                    return None
-                self._grow(slots, room)
+            longest = max([capacity, *(most for _, _, most in self._owners.values())])
+            if self.nbytes(slots, max(self.capacity, _rounded(longest))) > self.max_bytes:
+                return None
+            length = max(self.capacity, _rounded(room))
+            if (slots, length) != (self.slots, self.capacity):
+                self._grow(slots, length)
             slot = min(self._free)
             self._free.remove(slot)
             cache = DynamicCache()
-            cache.layers = [PreallocatedLayer(room, self.dtype) for _ in range(self.num_layers)]
+            cache.layers = [PreallocatedLayer(length, self.dtype) for _ in range(self.num_layers)]
             for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
                 layer.bind(keys[slot : slot + 1], values[slot : slot + 1])
             ticket = object()
-            self._owners[slot] = (ticket, weakref.ref(cache))
+            self._owners[slot] = (ticket, weakref.ref(cache), capacity)
             cache.pool_slot = slot
             cache.pool_release = weakref.finalize(cache, self._release, slot, ticket)
             return cache
+
+    def reserve(self, cache: DynamicCache, positions: int) -> None:
+        """Room for ``positions`` in ``cache``'s slot (at most the ``capacity`` it was acquired with): the pool's
+        capacity doubles until it has it (every slot: the live caches are rebound)."""
+        if positions <= self.capacity:
+            return
+        with self._lock:
+            _, _, most = self._owners[cache.pool_slot]
+            if positions > most:
+                raise RuntimeError(f"KV cache full: {positions} positions > capacity {most}")
+            if positions > self.capacity:
+                self._grow(self.slots, _rounded(positions))
 
     def release(self, cache: DynamicCache) -> None:
         """Give ``cache``'s slot back (idempotent; a no-op for a cache that is not in a pool)."""
@@ -247,8 +266,10 @@ class KVPool:
         return len(self._owners)
 
     def _grow(self, slots: int, capacity: int) -> None:
-        """New tensors of ``slots`` x ``capacity``, what is written copied over, the live caches rebound."""
+        """New tensors of ``slots`` x ``capacity``, what is written copied over, the live caches rebound: layer by
+        layer, so that each layer's old storage is freed before the next layer's new one is made."""
         shape = (slots, self.kv_heads, capacity, self.head_dim)
+        live = [(slot, ref()) for slot, (_, ref, _) in self._owners.items()]
         for layer in range(self.num_layers):
             for store in (self.keys, self.values):
                 # zeros, not empty: a masked key's value still meets a 0 weight, and 0 x NaN garbage is NaN
@@ -258,13 +279,12 @@ class KVPool:
                     store[layer] = fresh
                 else:
                     store.append(fresh)
+            keys, values = self.keys[layer], self.values[layer]
+            for slot, cache in live:
+                if cache is not None:
+                    cache.layers[layer].bind(keys[slot : slot + 1], values[slot : slot + 1])
         self._free += range(self.slots, slots)
         self.slots, self.capacity = slots, capacity
-        for slot, (_, ref) in self._owners.items():
-            cache = ref()
-            if cache is not None:
-                for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
-                    layer.bind(keys[slot : slot + 1], values[slot : slot + 1])
 
     def owns(self, cache: DynamicCache) -> bool:
         """Whether ``cache`` is a live slot of this pool."""
@@ -317,6 +337,11 @@ class KVPool:
         if plan.gaps:
             out = out.index_select(0, plan.rows)
         return out.to(q.dtype)
+
+
+def _rounded(positions: int) -> int:
+    """A pool's capacity for ``positions``: the next power of two, at least 64."""
+    return max(64, 1 << (positions - 1).bit_length())
 
 
 def attend_rows(
@@ -380,17 +405,19 @@ def start_cache(
     keep: int = 0,
     dtype: torch.dtype | None = None,
     pool: KVPool | None = None,
+    room: int | None = None,
 ) -> DynamicCache:
     """A fresh cache for one generation of at most ``capacity`` positions.
 
-    From ``pool`` where it has room (every layer full attention: the decoder checks), else full-attention
+    From ``pool`` where it has room (every layer full attention: the decoder checks), with ``room`` positions
+    now and more as the generation asks (:meth:`KVPool.reserve`); else full-attention
     layers become :class:`PreallocatedLayer` s of their own and sliding-window (and any other) layers stay as
     the model's config makes them. With ``prefix`` (a cache of the prompt's first tokens, e.g. the query's
     embedding pass) and ``keep`` > 0 (see :func:`reusable_prefix`), its first ``keep`` positions are copied
     in; ``prefix`` itself is not modified. ``dtype``: what the full-attention layers store (see
     :class:`PreallocatedLayer`; default: the model's keys' dtype).
     """
-    cache = pool.acquire(capacity) if pool is not None else None
+    cache = pool.acquire(capacity, room) if pool is not None else None
     if cache is not None:
         if prefix is not None and keep:
             for layer, source in zip(cache.layers, prefix.layers, strict=True):
