@@ -113,6 +113,15 @@ def fake_server(monkeypatch):
     return configs
 
 
+def test_serve_limits_malloc_arenas_before_loading_the_model(fake_server, monkeypatch):
+    """The worker threads' arenas are capped before any thread can make one (runtime.memory.limit_arenas)."""
+    events = []
+    monkeypatch.setattr("unimae.runtime.memory.limit_arenas", lambda count=2: events.append(("arenas", count)))
+    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *a, **k: events.append("load") or "encoder")
+    assert main(["serve", "--model", "m"]) == 0
+    assert events == [("arenas", 2), "load"]
+
+
 def _key_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "--api-key" in r.getMessage()]
 

@@ -293,6 +293,39 @@ def test_an_api_key_no_client_can_send_is_refused_at_start(key, monkeypatch, cap
     assert "the API key must be printable ASCII" in capsys.readouterr().err  # said before any model is loaded
 
 
+def test_a_large_body_is_followed_by_a_heap_trim_and_a_small_one_is_not():
+    """After a request whose body had at least ``min_bytes``, freed heap memory goes back to the OS (what its
+    worker thread parsed and tokenized; the batcher's trim waits for an empty queue, which the hostile load test
+    never gave it); the small requests of the normal path pay nothing. Every app has it in front of its routes."""
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from unimae.serving.app import create_app
+    from unimae.serving.heap_release import HeapRelease
+
+    async def read(request):
+        return PlainTextResponse(str(len(await request.body())))
+
+    released: list[int] = []
+    routes = Starlette(routes=[Route("/", read, methods=["POST"])])
+    app = HeapRelease(routes, min_bytes=1000, release=lambda: released.append(1))
+
+    async def post(size: int) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            response = await http.post("/", content=b"x" * size)
+        assert response.text == str(size)
+        return len(released)
+
+    assert asyncio.run(post(999)) == 0
+    assert asyncio.run(post(1000)) == 1
+    served = create_app(object(), ServerConfig())
+    assert [m.cls for m in served.user_middleware][0] is HeapRelease, "outermost: it counts the body the guard let in"
+
+
 def test_a_nan_embedding_is_a_clear_error_not_a_500_nor_nan_bytes(tiny_model_dirs, monkeypatch):
     """Before: float answers were 500 ('Out of range float values are not JSON compliant'), base64 answers 200
     with NaN bytes."""

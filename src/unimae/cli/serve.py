@@ -8,6 +8,10 @@ limits and 429s). With ``--engine torch``, concurrent generations are batched in
 (``--max-batch-generations 8`` decoded together; ``--no-continuous-batching`` runs each on its own thread,
 ``--max-concurrent-generations`` at once); with ``--engine llama.cpp`` as many hold a generation slot and
 llama.cpp decodes up to ``--slots`` of them together.
+
+The server limits glibc malloc to two arenas before anything else (:func:`~unimae.runtime.memory.limit_arenas`;
+``$MALLOC_ARENA_MAX`` overrides): its worker threads would otherwise each keep the free memory of their largest
+request (docs/serving.md, "Memory").
 """
 
 from __future__ import annotations
@@ -62,8 +66,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from unimae.runtime import memory
     from unimae.serving.header_timeout import header_timeout_protocol
 
+    memory.limit_arenas(2)  # before the threads that would make the arenas: the model's, the workers'
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     values["api_key"] = check_api_key(resolve_api_key(args.api_key, args.api_key_file))  # before the model loads
     if args.engine == "llama.cpp":

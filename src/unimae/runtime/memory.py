@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _tuned = False
 
 
@@ -46,6 +47,23 @@ def tune_allocator(threshold_bytes: int = 1 << 30) -> bool:
     _tuned = ok
     logger.debug("allocator tuning %s", "applied" if ok else "not available")
     return ok
+
+
+def limit_arenas(count: int = 2) -> bool:
+    """Let glibc malloc make at most ``count`` arenas (``M_ARENA_MAX``; Linux only): True if set, False where it
+    is not glibc or ``$MALLOC_ARENA_MAX`` already says (the user's choice is kept).
+
+    By default glibc gives each new thread an arena of its own at its first allocation, up to 8 per core, and
+    a thread frees into its arena: what a server's worker thread allocated for one large request (parsing,
+    tokenizing) stays there, free but resident, until that thread allocates again or the heap is trimmed. With
+    tens of worker threads taking requests in turn, every arena ends up holding its own largest request (16
+    threads each refusing one 4 MB prompt in turn kept 0.79 GB; two arenas, 0.16 GB: docs/serving.md,
+    "Memory"). Call it before the threads start (arenas already made stay). ``count`` includes the main arena.
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    libc = _libc()
+    return libc is not None and libc.mallopt(_M_ARENA_MAX, count) == 1
 
 
 def resident_bytes() -> int | None:
@@ -82,9 +100,10 @@ def release_free_memory() -> bool:
     """Return the free pages of every glibc malloc arena to the OS (``malloc_trim(0)``, about a millisecond
     plus page faults when the memory is used again): True if any were (False off glibc).
 
-    The server's embedding batcher calls it when its queue drains after a large batch (a server that has just
-    embedded one large request would otherwise keep that memory for good; ``benchmarks/load_test.py --mix
-    hostile`` reports the server's RSS idle and after the run).
+    The server calls it when its embedding batcher's queue drains after a large batch and after a request with
+    a large body (:class:`unimae.serving.heap_release.HeapRelease`): a server that has just embedded one large
+    request would otherwise keep that memory for good (``benchmarks/load_test.py --mix hostile`` reports the
+    server's RSS idle, at its peak and after the run).
     """
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))

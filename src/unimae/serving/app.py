@@ -20,8 +20,9 @@ or an exported GGUF in llama.cpp (``llamacpp_engine.py``), with the same checks,
 Where things are: the routes in ``routes/`` (one router per group), the state they share in ``state.py``,
 generation slots in ``slots.py``, continuous batching of generations in ``scheduler.py``, the model lock in
 ``model_lock.py``, embedding batching in ``batcher.py``, SSE in ``sse.py``, the API-key, body-size and
-body-timeout guard in ``guard.py``. This module builds the app from them and turns every exception into the
-error body; a client that leaves mid-request is one INFO line, a generation stopped by NaN scores a 422.
+body-timeout guard in ``guard.py``, the heap trim after a large body in ``heap_release.py``. This module builds
+the app from them and turns every exception into the error body; a client that leaves mid-request is one INFO
+line, a generation stopped by NaN scores a 422.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from unimae.retrieval.index import VectorIndex
 from unimae.serving.config import ServerConfig
 from unimae.serving.engine import Engine
 from unimae.serving.guard import RequestGuard
+from unimae.serving.heap_release import HeapRelease
 from unimae.serving.routes import completions, embeddings, meta, rag
 from unimae.serving.schemas import APIError, non_finite_logits
 from unimae.serving.state import ServerState
@@ -66,6 +68,7 @@ def create_app(
     app.add_middleware(
         RequestGuard, limit=config.max_body_bytes, api_key=config.api_key, body_timeout=config.body_timeout_s
     )
+    app.add_middleware(HeapRelease)  # outside the guard: counts what the guard let in, as the route read it
     return app
 
 
