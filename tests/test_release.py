@@ -109,3 +109,26 @@ def test_a_card_quotes_only_its_own_adapters_generation_rag_and_repetition(tmp_p
     own = _generation_lines(inputs, "old")
     assert "this adapter: 50.00" in own and "2.00 (base model 1.00)" in own
     assert "retrieval acc@1 0.90 over 20 questions" in _rag_lines(inputs, "old")
+
+
+def test_a_card_table_shows_no_average_for_a_row_with_missing_tasks(tmp_path):
+    from unimae.release_card import _summary_json_table
+
+    rows = {
+        "step-43": {"tasks": {"STS17": 87.0}, "average": 87.0, "missing": ["SciFact"]},
+        "step-80": {"tasks": {"STS17": 87.3, "SciFact": 58.5}, "average": 72.9, "missing": []},
+    }
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(rows))
+    table = _summary_json_table(path)
+    assert "| step-43 |  | 87.00 |  |" in table and "| step-80 | 72.90 |" in table
+
+
+def test_the_cards_wall_time_counts_each_step_of_the_released_adapter_once(tmp_path):
+    from unimae.release_card import _log_seconds
+
+    log = tmp_path / "log.jsonl"
+    steps = [(1, 10.0), (2, 10.0), (3, 99.0), (3, 10.0), (4, 10.0)]  # step 3 logged again after a resume
+    log.write_text("".join(json.dumps({"step": s, "seconds": t}) + "\n" for s, t in steps))
+    assert _log_seconds(log) == 40.0
+    assert _log_seconds(log, up_to=2) == 20.0

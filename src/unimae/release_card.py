@@ -191,7 +191,8 @@ def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
 
 
 def _summary_json_table(path: Path, first=None) -> str:
-    """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads."""
+    """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads. A row
+    with missing tasks shows its scores but no average (it would not be the suite's)."""
     data = json.loads(path.read_text())
     tasks = sorted({t for entry in data.values() for t in entry.get("tasks", {})})
     lines = ["| model | average | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 2) + "|"]
@@ -202,7 +203,8 @@ def _summary_json_table(path: Path, first=None) -> str:
     for label, entry in entries:
         scores = entry.get("tasks", {})
         cells = [_fmt(scores.get(t)) for t in tasks]
-        lines.append(f"| {label} | {_fmt(entry.get('average'))} | " + " | ".join(cells) + " |")
+        average = None if entry.get("missing") else entry.get("average")
+        lines.append(f"| {label} | {_fmt(average)} | " + " | ".join(cells) + " |")
     return f"{path.stem}:\n\n" + "\n".join(lines) + "\n"
 
 
@@ -262,7 +264,8 @@ def _rag_lines(inputs: CardInputs, revision: str | None) -> str:
 
 def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
     config = flat_values(meta.training_config)
-    seconds = sum(_log_seconds(p) for p in inputs.train_logs)
+    last = len(inputs.train_logs) - 1  # the release's own run: only the steps its adapter holds
+    seconds = sum(_log_seconds(p, meta.trained_steps if i == last else None) for i, p in enumerate(inputs.train_logs))
     cpus = sorted({c for p in inputs.train_logs for c in _log_cpus(p)})
     sources = [Path(p).name.removesuffix(".jsonl") for p in str(config.get("data", "")).split(",") if p]
     data_rows = "".join(f"| {s} | {DATA_LICENCES.get(s, 'see its source')} |\n" for s in sources)
@@ -304,10 +307,14 @@ def shell_word(text: str) -> str:
     return shlex.quote(text)
 
 
-def _log_seconds(path: Path) -> float:
+def _log_seconds(path: Path, up_to: int | None = None) -> float:
+    """Seconds of a run's logged steps, each step once (a resumed run logs the steps after its checkpoint again:
+    the last record counts), only steps <= ``up_to`` when given (a run that went on past its release)."""
     if not Path(path).is_file():
         return 0.0
-    return sum(json.loads(line).get("seconds", 0.0) for line in Path(path).read_text().splitlines() if line.strip())
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    by_step = {r.get("step", i): r.get("seconds", 0.0) for i, r in enumerate(records)}
+    return sum(v for step, v in by_step.items() if up_to is None or step <= up_to)
 
 
 def _log_cpus(path: Path) -> list[str]:
