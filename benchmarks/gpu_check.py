@@ -10,7 +10,8 @@ sentences), so it needs no download and no internet: from the repository root af
 
 Per model:
 
-* ``train/<method>``: ``--steps`` optimizer steps of every registered method (:data:`unimae.methods.METHOD_REGISTRY`)
+* ``train/<method>``: ``--steps`` optimizer steps of every registered method
+(:data:`unimae.training.methods.METHOD_REGISTRY`)
   through the real trainer (``unimae.training.trainer.train``, LoRA, ``--device``), in bf16 (fp32 on a GPU without
   native bf16); contrastive with its gradient cache, GEM past its switch to the contrastive phase. Passes when
   every logged loss and gradient norm is finite and the adapter loads and embeds finite vectors on the device.
@@ -57,12 +58,12 @@ import transformers
 from unimae.encoder import Encoder
 from unimae.generation.decoding import decode_tokens, eos_token_ids
 from unimae.generation.sampling import GenerationParams
-from unimae.methods import METHOD_REGISTRY
 from unimae.models import load_model
 from unimae.runtime.memory import cpu_model
 from unimae.runtime.precision import DEVICE_HELP, autocast, bf16_supported, resolve_device, weight_dtype
 from unimae.tiny_models import ARCHITECTURES, SENTENCES, one_query_attention_in_fp32, save_tiny_model
 from unimae.training.config import TrainConfig
+from unimae.training.methods import METHOD_REGISTRY
 from unimae.training.trainer import train
 
 EMBED_TEXTS = [*SENTENCES[:7], "", "short", "the"]

@@ -46,7 +46,7 @@ def test_paper_recipe_gives_in_batch_methods_the_whole_batch_as_negatives(caplog
     assert resolve_config(_parse(["--recipe", "paper"])).micro_batch_size == 8  # UniMAE: per-example losses
     chosen = resolve_config(_parse(["--recipe", "paper", "--method", "gem", "--micro-batch-size", "16"]))
     assert chosen.micro_batch_size == 16  # an explicit flag still wins
-    with caplog.at_level("WARNING", logger="unimae.methods.options"):
+    with caplog.at_level("WARNING", logger="unimae.training.methods.options"):
         chosen.validate()
     assert "15 negatives per text, not the 31 of the whole batch" in caplog.text
 
@@ -159,8 +159,8 @@ FLAT_CONFIG = {
 def test_an_old_flat_config_json_loads_and_resumes_as_the_nested_one(tmp_path):
     """Resume reads the run's config.json: one written flat by an earlier version gives the same config (the
     other methods' options dropped) as the nested one written now, and compares equal to it key by key."""
-    from unimae.methods import ContrastiveOptions
     from unimae.training.config import flat_values
+    from unimae.training.methods import ContrastiveOptions
 
     old = TrainConfig.from_dict(FLAT_CONFIG)
     assert isinstance(old.options, ContrastiveOptions) and old.options.matryoshka_dims == "8,16"

@@ -21,9 +21,9 @@ from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.info_nce import info_nce
 from unimae.losses.supervised_contrastive import ContrastiveObjective
-from unimae.methods import Context, get_method
 from unimae.models import load_model
 from unimae.training.config import TrainConfig, add_config_arguments, resolve_config
+from unimae.training.methods import Context, get_method
 from unimae.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ from unimae.embedding.vectors import finish_embeddings
 from unimae.encoder import Encoder
 from unimae.losses.info_nce import info_nce
 from unimae.losses.supervised_contrastive import ContrastiveObjective
-from unimae.methods.base import pooled_batch
-from unimae.methods.contrastive import parse_dims
 from unimae.models import load_model
+from unimae.training.methods.base import pooled_batch
+from unimae.training.methods.contrastive import parse_dims
 from unimae.training.trainer import train
 
 QUERY = "Instruct: find the passage\nQuery: "

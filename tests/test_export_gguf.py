@@ -423,9 +423,9 @@ def test_cli_export_gguf_lora(merged_tiny, tmp_path, capsys):
 def test_smollm2_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     """SmolLM2-135M + a small random LoRA: 20 texts within the cosine targets at f32/f16/q8_0, and 32 greedy
     tokens identical at f32 for a plain and a chat prompt."""
+    from unimae.adapter import merged_model
     from unimae.encoder import Encoder
     from unimae.export import export
-    from unimae.export.base import merged_model
     from unimae.export.gguf import source_gguf, write_gguf
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)
@@ -452,8 +452,8 @@ def test_gemma3_gguf_export_in_llama_cpp(tmp_path, monkeypatch):
     """Gemma-3-270M + a small random LoRA (norms stored as 1 + w, sliding-window and global layers with their
     own rotary bases): 20 texts within the cosine target at f32 and f16, including one past the 512-token
     window, and 24 greedy tokens identical at f32."""
+    from unimae.adapter import merged_model
     from unimae.encoder import Encoder
-    from unimae.export.base import merged_model
     from unimae.export.gguf import source_gguf, write_gguf
 
     monkeypatch.setenv("UNIMAE_CACHE", REAL_CACHE)

@@ -13,9 +13,9 @@ from safetensors import safe_open
 from unimae.adapter import load_with_adapter, quiet_peft
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
-from unimae.methods import Context, get_method, summary_tokens
 from unimae.models import load_model
 from unimae.training.config import TrainConfig
+from unimae.training.methods import Context, get_method, summary_tokens
 from unimae.training.trainer import train
 
 

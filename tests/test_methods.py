@@ -13,9 +13,9 @@ from unimae.data.corpus import CorpusError
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.losses.objective import Objective
-from unimae.methods import METHOD_REGISTRY, Context, Method, get_method, load_pairs, summary_tokens
 from unimae.models import load_model
 from unimae.training.config import TrainConfig, add_config_arguments
+from unimae.training.methods import METHOD_REGISTRY, Context, Method, get_method, load_pairs, summary_tokens
 from unimae.training.trainer import train
 
 

@@ -59,9 +59,9 @@ def test_loss_decreases_when_overfitting(tiny_dir):
 def test_train_mask_token_trains_only_that_embedding_row(tiny_model_dirs, tmp_path):
     from unimae.adapter import load_with_adapter
     from unimae.embedding.tokenization import choose_mask_token
-    from unimae.methods import UniMAEOptions
     from unimae.models import load_model
     from unimae.training.config import TrainConfig
+    from unimae.training.methods import UniMAEOptions
     from unimae.training.trainer import train
 
     tiny = str(tiny_model_dirs["llama"])

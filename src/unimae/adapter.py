@@ -251,6 +251,19 @@ def load_with_adapter(model: str, adapter: str | Path | None, dtype: torch.dtype
     return llm, tokenizer, path
 
 
+def merged_model(model: str, adapter: str | None):
+    """(float32 model with the adapter merged, tokenizer)."""
+    merged, tokenizer, _ = load_with_adapter(model, adapter, torch.float32, merge=True)
+    return merged, tokenizer
+
+
+def save_merged(model: str, adapter: str | None, directory: str | Path) -> None:
+    """Write the float32 base with the adapter merged, and its tokenizer, as a Hugging Face folder."""
+    merged, tokenizer = merged_model(model, adapter)
+    merged.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def trained_token_rows(adapter_config: dict) -> list[int]:
     """Token ids whose embedding rows an adapter trains (peft ``trainable_token_indices``, a list or
     ``{module: ids}``; GEM's summary tokens), from its parsed ``adapter_config.json``; [] for most adapters."""

@@ -1,7 +1,7 @@
 """The default order of training examples: every epoch a fresh permutation of all of them.
 
 A pure function of (seed, global example index), so resume and any split over processes and micro-batches
-reproduce it; :meth:`unimae.methods.base.Method.example_order` returns one unless the method groups its
+reproduce it; :meth:`unimae.training.methods.base.Method.example_order` returns one unless the method groups its
 batches (``contrastive``: one source per batch, :class:`~unimae.data.pairs.SourceBatchOrder`).
 """
 

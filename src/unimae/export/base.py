@@ -1,11 +1,8 @@
-"""What every export shares: the formats, the check that a format can express how an adapter embeds, and the
-float32 model with the adapter merged."""
+"""What every export shares: the formats and the check that a format can express how an adapter embeds (the
+float32 model with the adapter merged is :func:`unimae.adapter.merged_model`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from unimae.adapter import load_with_adapter
 from unimae.embedding.spec import EmbeddingSpec
 
 FORMATS = ("hf", "sentence-transformers", "gguf", "gguf-lora")
@@ -26,18 +23,3 @@ def check_exportable(spec: EmbeddingSpec, fmt: str) -> None:
             f"this adapter embeds with {spec.describe()}, which a GGUF model cannot express (llama.cpp runs "
             "causal attention and pools the last token); export --format hf and embed with unimae instead"
         )
-
-
-def merged_model(model: str, adapter: str | None):
-    """(float32 model with the adapter merged, tokenizer)."""
-    import torch
-
-    merged, tokenizer, _ = load_with_adapter(model, adapter, torch.float32, merge=True)
-    return merged, tokenizer
-
-
-def save_merged(model: str, adapter: str | None, directory: str | Path) -> None:
-    """Write the float32 base with the adapter merged, and its tokenizer, as a Hugging Face folder."""
-    merged, tokenizer = merged_model(model, adapter)
-    merged.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)

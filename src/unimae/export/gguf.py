@@ -1,6 +1,6 @@
 """Write a base model with its adapter merged as ONE GGUF file that llama.cpp serves for both jobs.
 
-Weights: the float32 merge of :func:`unimae.export.base.merged_model`; each tensor is renamed to llama.cpp's
+Weights: the float32 merge of :func:`unimae.adapter.merged_model`; each tensor is renamed to llama.cpp's
 name (``gguf.TensorNameMap``), put in the layout llama.cpp expects (Llama's q/k rows are permuted from
 Hugging Face's half-rotation order to llama.cpp's interleaved rotary order, as llama.cpp's own
 ``convert_hf_to_gguf.py`` does) and stored as ``f32``, ``f16``, ``bf16`` or ``q8_0`` (``gguf.quants``).
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.adapter import adapter_revision
+from unimae.adapter import adapter_revision, merged_model
 from unimae.embedding.spec import EmbeddingSpec
-from unimae.export.base import merged_model
 from unimae.files import atomic_write, check_writable, read_json
 from unimae.models import MANIFEST, OFFLINE_MODELS
 

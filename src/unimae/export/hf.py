@@ -9,9 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
-from unimae.adapter import ADAPTER_META, adapter_meta
+from unimae.adapter import ADAPTER_META, adapter_meta, merged_model, save_merged
 from unimae.embedding.spec import EmbeddingSpec
-from unimae.export.base import merged_model, save_merged
 from unimae.files import atomic_write_json, writing
 from unimae.training.config import flat_values
 

@@ -2,7 +2,7 @@
 
 ``L = (1 - a) L_NTP + a L_contrastive``, ``a`` = 0 for the first ``switch_step`` steps, 1 after.
 
-- ``L_NTP``: next-token cross-entropy on rows of which some carry the summary block (``unimae.methods.gem``),
+- ``L_NTP``: next-token cross-entropy on rows of which some carry the summary block (``unimae.training.methods.gem``),
   under the ``gem`` attention rule: text after the block cannot see the text before it (so the prefix reaches
   the suffix only through the summary states) and summary tokens cannot see each other. Every token except
   the summary tokens is a target, the suffix included.

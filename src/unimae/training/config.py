@@ -7,8 +7,8 @@ The resolved configuration is saved as ``config.json`` next to every output, the
 (as peft nests ``LoftQConfig`` in ``LoraConfig``); :meth:`TrainConfig.from_dict` also reads the flat files of earlier
 versions, which named every method's options beside the rest.
 
-This module names no method. Each one (``unimae.methods``) subclasses :class:`MethodOptions` with its fields, its
-values under a recipe and its checks, and registers the class in :data:`METHOD_OPTIONS` when ``unimae`` is imported
+This module names no method. Each one (``unimae.training.methods``) subclasses :class:`MethodOptions` with its fields,
+its values under a recipe and its checks, and registers the class in :data:`METHOD_OPTIONS` when ``unimae`` is imported
 (``unimae/__init__.py`` imports the trainer, which imports the methods).
 """
 
@@ -55,8 +55,8 @@ def check_choices(config) -> None:
 class MethodOptions:
     """Base of a training method's options, nested in :class:`TrainConfig` as ``options``.
 
-    A method's subclass (in its module of ``unimae.methods``) holds its fields, each a ``--flag`` named after the
-    field (a field that several methods' options share is one flag), its values under a ``--recipe`` and its
+    A method's subclass (in its module of ``unimae.training.methods``) holds its fields, each a ``--flag`` named after
+    the field (a field that several methods' options share is one flag), its values under a ``--recipe`` and its
     checks (:meth:`check`, which :meth:`TrainConfig.validate` calls)."""
 
     recipes: ClassVar[dict[str, dict[str, Any]]] = {}  # --recipe name -> values of these fields
@@ -109,7 +109,9 @@ class TrainConfig:
         default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."}
     )
     recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
-    method: str = choice_field("unimae", lambda: method_names(), "Training method (unimae.methods; see the choices).")
+    method: str = choice_field(
+        "unimae", lambda: method_names(), "Training method (unimae.training.methods; see the choices)."
+    )
     init_adapter: str = field(
         default="",
         metadata={"help": "Start from this trained adapter (merged into the base): a second stage on top of a first."},
@@ -186,8 +188,8 @@ class TrainConfig:
     options: MethodOptions | None = field(
         default=None,
         metadata={
-            "help": "The --method's own options: its MethodOptions (unimae.methods), a dict of their fields, or None "
-            "for their defaults.",
+            "help": "The --method's own options: its MethodOptions (unimae.training.methods), a dict of their fields, "
+            "or None for their defaults.",
             "nested": True,
         },
     )

@@ -36,15 +36,14 @@ from unimae.adapter import (
     check_finite,
     embedding_spec,
     quiet_peft,
+    save_merged,
     skip_input_upcast,
     write_adapter_meta,
 )
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
-from unimae.export.base import save_merged
 from unimae.files import atomic_write_json, atomic_write_text, writing
-from unimae.methods import Context, Method, get_method
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_device, resolve_precision, weight_dtype
@@ -57,6 +56,7 @@ from unimae.training.checkpoint import (
     set_rng_state,
 )
 from unimae.training.config import TrainConfig, flat_values
+from unimae.training.methods import Context, Method, get_method
 
 logger = logging.getLogger(__name__)
 

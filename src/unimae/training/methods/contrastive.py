@@ -27,11 +27,11 @@ from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pair
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
-from unimae.methods.base import Context, Method, pooled_batch
-from unimae.methods.options import InfoNCEOptions, pooling_field
-from unimae.methods.registry import register_method
-from unimae.methods.simcse import init_spec_with_pooling
 from unimae.training.config import TrainConfig
+from unimae.training.methods.base import Context, Method, pooled_batch
+from unimae.training.methods.options import InfoNCEOptions, pooling_field
+from unimae.training.methods.registry import register_method
+from unimae.training.methods.simcse import init_spec_with_pooling
 
 __all__ = ["Contrastive", "ContrastiveOptions", "load_pairs"]
 

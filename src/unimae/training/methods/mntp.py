@@ -12,9 +12,9 @@ from unimae.data.masking import example_generator, mar_corrupt
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos
 from unimae.losses.mntp import MNTPObjective
-from unimae.methods.base import Method, pad_right
-from unimae.methods.registry import register_method
 from unimae.training.config import MethodOptions, TrainConfig
+from unimae.training.methods.base import Method, pad_right
+from unimae.training.methods.registry import register_method
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The method registry: ``--method NAME`` -> a :class:`~unimae.methods.base.Method` subclass."""
+"""The method registry: ``--method NAME`` -> a :class:`~unimae.training.methods.base.Method` subclass."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training methods: each is a :class:`~unimae.methods.base.Method` (data, collator, objective, embedding
+"""Training methods: each is a :class:`~unimae.training.methods.base.Method` (data, collator, objective, embedding
 spec) in its own module, plugged into ONE trainer.
 
 =============  ======================================  ==================  ===============
@@ -13,20 +13,20 @@ gem            (1 - a) NTP + a InfoNCE, summary tokens text                gem, 
 =============  ======================================  ==================  ===============
 
 Each module also holds its method's options (``UniMAEOptions``, ``GEMOptions``, ...; shared ones in
-:mod:`unimae.methods.options`), nested in ``TrainConfig.options``. The adapter records how it embeds (its
+:mod:`unimae.training.methods.options`), nested in ``TrainConfig.options``. The adapter records how it embeds (its
 :class:`~unimae.embedding.spec.EmbeddingSpec`, ``embedding`` in unimae.json), so
 ``Encoder.from_pretrained(..., adapter)`` uses the right attention and pooling. Add a method with a new module
 here and ``@register_method``.
 """
 
-from unimae.methods import contrastive, gem, mntp, simcse, unimae  # noqa: F401  (registers the methods)
-from unimae.methods.base import Context, Method
-from unimae.methods.contrastive import ContrastiveOptions, load_pairs
-from unimae.methods.gem import GEMOptions, summary_tokens
-from unimae.methods.mntp import MNTPOptions
-from unimae.methods.registry import METHOD_REGISTRY, get_method, register_method
-from unimae.methods.simcse import SimCSEOptions
-from unimae.methods.unimae import UniMAEOptions
+from unimae.training.methods import contrastive, gem, mntp, simcse, unimae  # noqa: F401  (registers the methods)
+from unimae.training.methods.base import Context, Method
+from unimae.training.methods.contrastive import ContrastiveOptions, load_pairs
+from unimae.training.methods.gem import GEMOptions, summary_tokens
+from unimae.training.methods.mntp import MNTPOptions
+from unimae.training.methods.registry import METHOD_REGISTRY, get_method, register_method
+from unimae.training.methods.simcse import SimCSEOptions
+from unimae.training.methods.unimae import UniMAEOptions
 
 __all__ = [
     "METHOD_REGISTRY",

@@ -57,7 +57,7 @@ class InfoNCEOptions(MethodOptions):
 @dataclass
 class DropoutViewOptions(InfoNCEOptions):
     """InfoNCE between two views of each text that differ by dropout
-    (:class:`~unimae.methods.base.ViewDropoutMixin`)."""
+    (:class:`~unimae.training.methods.base.ViewDropoutMixin`)."""
 
     dropout: float = field(
         default=0.1,

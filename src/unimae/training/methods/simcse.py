@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.simcse import SimCSEObjective
-from unimae.methods.base import Method, ViewDropoutMixin, pooled_batch
-from unimae.methods.options import DropoutViewOptions, pooling_field
-from unimae.methods.registry import register_method
+from unimae.training.methods.base import Method, ViewDropoutMixin, pooled_batch
+from unimae.training.methods.options import DropoutViewOptions, pooling_field
+from unimae.training.methods.registry import register_method
 
 
 @dataclass

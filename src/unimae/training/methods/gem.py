@@ -39,11 +39,11 @@ from unimae.embedding.pooling import PooledInput
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos, spare_special_tokens
 from unimae.losses.gem import GEMObjective
-from unimae.methods.base import Method, has_bos, pad_right
-from unimae.methods.options import DropoutViewOptions
-from unimae.methods.registry import register_method
 from unimae.models import grow_vocabulary
 from unimae.training.config import TrainConfig, choice_field
+from unimae.training.methods.base import Method, has_bos, pad_right
+from unimae.training.methods.options import DropoutViewOptions
+from unimae.training.methods.registry import register_method
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def summary_tokens(tokenizer, n: int, source: str = "new") -> list[int]:
 @dataclass
 class GEMOptions(DropoutViewOptions):
     """GEM's summary tokens, rows, positives and two-phase schedule (its InfoNCE temperature, and the dropout of
-    ``--gem-positives dropout``, come from :class:`~unimae.methods.options.DropoutViewOptions`).
+    ``--gem-positives dropout``, come from :class:`~unimae.training.methods.options.DropoutViewOptions`).
 
     The paper's recipe is the default; ``[open]`` marks the choices the paper leaves to us.
     """

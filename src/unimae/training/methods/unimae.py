@@ -8,9 +8,9 @@ from unimae.data.masking import UniMAECollator
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos
 from unimae.losses import UniMAEObjective
-from unimae.methods.base import Method
-from unimae.methods.registry import register_method
 from unimae.training.config import MethodOptions, TrainConfig, choice_field
+from unimae.training.methods.base import Method
+from unimae.training.methods.registry import register_method
 
 
 @dataclass

@@ -11,7 +11,7 @@ optimize), ``lr_lambda(step)`` (the learning-rate multiplier of each step),
 ``collate(examples, indices)`` per micro-batch (a :class:`~unimae.data.batch.Batch`; randomness must
 come from ``(seed, example index)`` so resume and any process split reproduce it), and at the end
 ``embedding_spec()`` (written into the adapter's ``unimae.json``). Add a method by subclassing and
-decorating it with :func:`unimae.methods.register_method`.
+decorating it with :func:`unimae.training.methods.register_method`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Method:
 
 class ViewDropoutMixin:
     """simcse and gem: two views of a text differ by dropout (``--dropout``, options
-    :class:`~unimae.methods.options.DropoutViewOptions`), acting where ``--dropout-on`` says.
+    :class:`~unimae.training.methods.options.DropoutViewOptions`), acting where ``--dropout-on`` says.
 
     Attention dropout by default (as LLM2Vec): a fresh LoRA has B = 0, so LoRA dropout alone leaves the
     two views identical until the first update.
