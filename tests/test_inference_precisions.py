@@ -23,14 +23,15 @@ from unimae.cli import build_parser
 from unimae.encoder import Encoder
 from unimae.generation import fast_path
 from unimae.generation.decoding import Decoder, decode_tokens
-from unimae.generation.fast_path import half_product
+from unimae.generation.fast_path import _fbgemm_f16_copy, fbgemm_f16_product, half_product
 from unimae.generation.sampling import GenerationParams
-from unimae.runtime.int8 import int8_product, int8_weight, quantize_rows
+from unimae.runtime.int8 import int8_product, int8_weight, prepack, quantize_rows
 from unimae.runtime.precision import (
     DECODE_ONLY_PRECISIONS,
     INFERENCE_PRECISIONS,
     PRECISIONS,
     bf16_supported,
+    fbgemm_supported,
     resolve_inference_precision,
     resolve_precision,
 )
@@ -82,8 +83,14 @@ def test_int8_rows_round_within_half_a_step_and_the_kernel_computes_the_product(
     assert q.dtype == torch.int8 and scales.shape == (40,)
     assert ((q.float() * scales[:, None] - weight).abs() <= scales[:, None] / 2 + 1e-6).all()
     bias = torch.randn(40)
+    y = int8_product(prepack(q, scales, bias), x)
+    assert y.dtype == torch.float32 and y.shape == (3, 5, 40)
+    # the input is rounded to 7 bits over the call's range: the error is bounded by half a step of that grid
+    step = (x.max() - x.min()).clamp(min=0) / 127
     exact = x @ (q.float() * scales[:, None]).T + bias  # (3, 5, 40)
-    torch.testing.assert_close(int8_product(q, scales, bias, x), exact, rtol=1e-4, atol=1e-4)
+    bound = (step / 2) * (q.float() * scales[:, None]).abs().sum(dim=1) + 1e-4  # (40,)
+    assert ((y - exact).abs() <= bound).all()
+    assert not torch.equal(y, exact)  # it does round the input
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -97,6 +104,23 @@ def test_the_16_bit_product_rounds_input_weight_and_output_only(dtype):
     assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))  # it does round
 
 
+@pytest.mark.skipif(not fbgemm_supported(CPU), reason="fbgemm is x86-only")
+def test_the_fbgemm_fp16_product_rounds_the_weights_only_and_refuses_what_fp16_cannot_hold():
+    torch.manual_seed(0)
+    layers = (torch.nn.Linear(24, 40), torch.nn.Linear(24, 8))  # stacked by output rows, as q/k/v are
+    x = torch.randn(3, 5, 24)  # (..., K)
+    y = fbgemm_f16_product(*_fbgemm_f16_copy(layers), x)
+    assert y.dtype == torch.float32 and y.shape == (3, 5, 48)
+    weight, bias = torch.cat([m.weight for m in layers]).detach(), torch.cat([m.bias for m in layers]).detach()
+    exact = x @ weight.half().float().T + bias  # fp16 weights, the fp32 input as it is
+    torch.testing.assert_close(y, exact, rtol=0, atol=1e-5)
+    assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))  # it does round the weights
+    with torch.no_grad():
+        layers[1].weight[0, 0] = 7e4
+    with pytest.raises(ValueError, match="does not fit fp16: use precision 'bf16-decode'"):
+        _fbgemm_f16_copy(layers)
+
+
 def test_a_dynamically_quantized_layer_lends_its_own_int8_weights():
     from unimae.runtime.int8 import quantize_linears
 
@@ -106,11 +130,12 @@ def test_a_dynamically_quantized_layer_lends_its_own_int8_weights():
     q, scales, bias = int8_weight(model[0])
     assert q.dtype == torch.int8 and q.shape == (40, 24) and scales.shape == (40,) and bias.shape == (40,)
     x = torch.randn(2, 24)
-    torch.testing.assert_close(int8_product(q, scales, bias, x), model[0](x), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(int8_product(prepack(q, scales, bias), x), model[0](x), rtol=0, atol=0)
 
 
-def test_auto_picks_bf16_decode_only_where_bf16_is_not_native_and_training_keeps_fp32():
-    assert resolve_inference_precision("auto", CPU) == ("bf16" if bf16_supported(CPU) else "bf16-decode")
+def test_auto_picks_a_16_bit_decode_only_where_bf16_is_not_native_and_training_keeps_fp32():
+    expected = "f16-decode" if fbgemm_supported(CPU) else "bf16-decode"
+    assert resolve_inference_precision("auto", CPU) == ("bf16" if bf16_supported(CPU) else expected)
     assert resolve_precision("auto", CPU) in ("bf16", "fp32")  # training and evaluation never pick these
     for precision in ("bf16", "fp32", *ROUNDED):
         assert resolve_inference_precision(precision, CPU) == precision
@@ -136,8 +161,8 @@ def test_generate_embed_serve_and_evaluate_embeddings_take_the_inference_precisi
 
 def test_auto_under_avx2_emulation_chooses_what_an_avx2_cpu_gets_and_its_kernels_run(tiny_model_dirs):
     """Under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (a subprocess): PyTorch reports AVX2 and no oneDNN bf16,
-    ``auto`` resolves to bf16-decode, and it and the int8 precision load, embed and generate (their kernels run
-    under AVX2 dispatch)."""
+    ``auto`` resolves to f16-decode (fbgemm on x86), and it and the int8 precision load, embed and generate (their
+    kernels run under AVX2 dispatch)."""
     script = f"""
 import json, torch
 from unimae.encoder import Encoder
@@ -156,8 +181,8 @@ print(json.dumps(facts))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert facts["capability"] == "AVX2" and facts["bf16"] is False and facts["resolves"] == "bf16-decode"
-    assert facts["auto"]["resolved"] == "bf16-decode" and facts["int8"]["resolved"] == "int8"
+    assert facts["capability"] == "AVX2" and facts["bf16"] is False and facts["resolves"] == "f16-decode"
+    assert facts["auto"]["resolved"] == "f16-decode" and facts["int8"]["resolved"] == "int8"
     for precision in ("auto", "int8"):
         assert facts[precision]["dim"] == 64 and facts[precision]["head_copy"], facts[precision]
 
@@ -277,5 +302,5 @@ def test_emulate_avx2_runs_the_program_again_and_cpu_facts_record_it(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts["avx2_emulated"] and facts["emulation"] == AVX2
-    assert facts["torch_cpu_capability"] == "AVX2" and facts["auto_precision"] == "bf16-decode"
-    assert facts["int8_weight_kernel"] and not facts["bf16_native"]
+    assert facts["torch_cpu_capability"] == "AVX2" and facts["auto_precision"] == "f16-decode"
+    assert facts["fbgemm"] and not facts["bf16_native"]

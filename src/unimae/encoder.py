@@ -130,8 +130,8 @@ class Encoder:
         ``merge=False`` also keeps the base model reachable through :meth:`adapter_disabled` (under int8 the
         adapter's own layers then stay fp32 beside the int8 base).
 
-        ``precision`` (in ``kwargs``): see :class:`Encoder`; 'auto' picks 'bf16-decode' on CPUs without native
-        bf16 (AVX2): fp32 embeddings, bf16 weights in the decode steps.
+        ``precision`` (in ``kwargs``): see :class:`Encoder`; 'auto' picks 'f16-decode' on x86 CPUs without native
+        bf16 (AVX2): fp32 embeddings, fp16 weights in the decode steps (fbgemm).
         """
         adapter = resolve_adapter(adapter)  # a folder, or the name of a released adapter
         device = resolve_device(kwargs.get("device"))

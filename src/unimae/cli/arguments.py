@@ -58,9 +58,10 @@ def inference_precisions(parser: argparse.ArgumentParser) -> None:
     action = parser._option_string_actions["--precision"]
     action.choices = INFERENCE_PRECISIONS
     action.help = (
-        "auto = bf16 where the CPU/GPU runs it natively, else (CPU) bf16-decode: fp32 embeddings, bf16 weights in "
-        "the decode steps; f16-decode / int8-decode: fp16 / int8 decode weights; int8 = int8-decode and int8 "
-        "embedding forwards too (opt-in: changes the embeddings)."
+        "auto = bf16 where the CPU/GPU runs it natively, else (x86 CPU) f16-decode: fp32 embeddings, fp16 weights "
+        "in the decode steps (bf16-decode on other CPUs); int8-decode: int8 weights and activations in the decode "
+        "steps (opt-in: rounds the generated text's distribution most); int8 = int8-decode and int8 embedding "
+        "forwards too (opt-in: changes the embeddings)."
     )
 
 

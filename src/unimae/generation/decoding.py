@@ -153,7 +153,7 @@ class Decoder:
     def __init__(self, model, precision: str = "fp32"):
         self.model, self.precision = model, precision
         self.device = next(model.parameters()).device
-        self.packed = decode_weights(precision, self.device)  # "bf16", "bf16w", "f16w", "int8" or None
+        self.packed = decode_weights(precision, self.device)  # "bf16", "bf16w", "f16w", "f16fb", "int8" or None
         if self.packed == "bf16":
             packed_linears(model)
         elif self.packed is not None:

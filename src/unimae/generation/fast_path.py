@@ -20,18 +20,21 @@ which round the weights:
   (``_PACKED``, keyed by the modules, and a per-thread ``_DECODING.packed`` switch set by
   :func:`step_context`).
 * under ``bf16-decode`` / ``f16-decode`` on a CPU, the decode steps' linear layers read bf16 / fp16 copies of their
-  weights (half fp32's bytes; made at the first such generation, half the fp32 weights' size again): the
-  step's fp32 input is rounded to that dtype, ATen's one-row product accumulates in fp32 and its output is
-  widened back to fp32 (:func:`half_product`); everything between the linear layers stays fp32. Without native
-  bf16 (AVX2) this is what a memory-bound step gains most from (``docs/results.md``, the AVX2 speed table).
+  weights (half fp32's bytes; made at the first such generation, half the fp32 weights' size again): on x86,
+  ``f16-decode`` runs fbgemm's fp16 product on fbgemm-packed copies (fp32 input and output, fp32 accumulation:
+  :func:`fbgemm_f16_product`; several streams' rows at once at a fraction of ATen's 16-bit cost); otherwise the
+  step's fp32 input is rounded to that dtype, ATen's product accumulates in fp32 and its output is widened back
+  to fp32 (:func:`half_product`); everything between the linear layers stays fp32. Without native bf16 (AVX2)
+  this is what a memory-bound step gains most from (``docs/results.md``, the AVX2 speed table).
   The marking and the LoRA rule are the int8 ones below (:func:`weight_only_linears`).
 * under an int8 precision on a CPU, the decode steps' linear layers read int8 copies of their weights with one
-  fp32 scale per output row (weight-only int8, :mod:`unimae.runtime.int8`; ``aten._weight_int8pack_mm``; q/k/v
-  and gate/up stacked), made at the first such generation (a quarter of the fp32 weights' size; with
-  ``precision='int8'`` the dynamically quantized layers' own int8 weights, no copy). A LoRA adapter's own layers
-  (unmerged) keep fp32 (:func:`weight_only_linears`). Prefill keeps the model's forward, so the first new token is
-  the one the embedding precision gives. The ``_DECODING.packed`` switch names which copies a step reads
-  (``"bf16"``, ``"bf16w"``, ``"f16w"``, ``"int8"`` or None: :func:`decode_weights`).
+  fp32 scale per output row, packed for fbgemm, and quantize their input to 8 bits per call (fbgemm's dynamic
+  linear, :mod:`unimae.runtime.int8`; q/k/v and gate/up stacked), made at the first such generation (a quarter
+  of the fp32 weights' size; with ``precision='int8'`` from the dynamically quantized layers' own int8
+  weights). A LoRA adapter's own layers (unmerged) keep fp32 (:func:`weight_only_linears`). Prefill keeps the
+  model's forward, so the first new token is the one the embedding precision gives. The ``_DECODING.packed``
+  switch names which copies a step reads (``"bf16"``, ``"bf16w"``, ``"f16w"``, ``"f16fb"``, ``"int8"`` or None:
+  :func:`decode_weights`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ import torch
 from transformers import DynamicCache
 
 from unimae.generation.kv_cache import KVPool, attend_rows, preallocated
-from unimae.runtime.int8 import int8_product, int8_weight, quantizable_linears
-from unimae.runtime.precision import HALF_DECODE_PRECISIONS, INT8_PRECISIONS, autocast, int8_supported
+from unimae.runtime.int8 import int8_product, int8_weight, prepack, quantizable_linears
+from unimae.runtime.precision import HALF_DECODE_PRECISIONS, INT8_PRECISIONS, autocast, fbgemm_supported
 
 _DECODING = threading.local()  # .packed: a decode_weights kind while this thread runs such a decode step, else None
 HALF_KINDS = {"bf16-decode": "bf16w", "f16-decode": "f16w"}  # precision -> decode_weights kind
@@ -75,12 +78,15 @@ def packed_supported(device: torch.device) -> bool:
 
 def decode_weights(precision: str, device: torch.device) -> str | None:
     """Which weight copies the decode steps of ``precision`` read on ``device``: "bf16" (oneDNN-packed), "bf16w" /
-    "f16w" (weight-only bf16 / fp16), "int8" (weight-only int8), or None (the modules' own weights)."""
+    "f16w" (weight-only bf16 / fp16, ATen's product), "f16fb" (fp16 packed for fbgemm, fp32 activations), "int8"
+    (int8, fbgemm's dynamic product), or None (the modules' own weights)."""
     if precision == "bf16" and packed_supported(device):
         return "bf16"
+    if precision == "f16-decode" and fbgemm_supported(device):
+        return "f16fb"
     if precision in HALF_DECODE_PRECISIONS and device.type == "cpu":
         return HALF_KINDS[precision]
-    if precision in INT8_PRECISIONS and int8_supported(device):
+    if precision in INT8_PRECISIONS and fbgemm_supported(device):
         return "int8"
     return None
 
@@ -99,13 +105,13 @@ def _bf16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1), bias
 
 
-def _int8_copy(group: tuple[torch.nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(int8 weight, fp32 scales, fp32 bias or None) of ``group``'s linears stacked by output rows."""
+def _int8_copy(group: tuple[torch.nn.Module, ...]) -> tuple[torch.ScriptObject]:
+    """(fbgemm-packed int8 weights and fp32 bias,) of ``group``'s linears stacked by output rows (per-row scales)."""
     parts = [int8_weight(m) for m in group]
     weight = torch.cat([p[0] for p in parts])  # (sum out, in) int8
     scales = torch.cat([p[1] for p in parts])  # (sum out,)
     bias = torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None  # (sum out,)
-    return weight, scales, bias
+    return (prepack(weight, scales, bias),)
 
 
 def _half_copy(kind: str) -> Callable:
@@ -120,6 +126,28 @@ def _half_copy(kind: str) -> Callable:
     return copy
 
 
+def _fbgemm_f16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fbgemm-packed fp16 weight, fp32 bias (zeros where the layers have none)) of ``group``'s linears stacked by
+    output rows. fp16 holds weights up to 65504 in magnitude; a layer beyond that is an error that names bf16."""
+    weight = torch.cat([m.weight.detach() for m in group]).float()  # (sum out, in)
+    largest = weight.abs().max().item()
+    if not largest <= torch.finfo(torch.float16).max:
+        raise ValueError(f"a linear weight of {largest:g} does not fit fp16: use precision 'bf16-decode'")
+    bias = torch.cat([m.bias.detach() for m in group]).float() if group[0].bias is not None else None
+    bias = torch.zeros(weight.shape[0]) if bias is None else bias  # (sum out,)
+    return torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight), bias
+
+
+def fbgemm_f16_product(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x (..., K) @ weight.T + bias`` -> (..., N) in fp32, ``weight`` fbgemm-packed fp16 (:func:`_fbgemm_f16_copy`):
+    ``x`` stays fp32, the weights are widened in registers and products accumulate in fp32 (fbgemm's fp16 GEMM,
+    what ``quantize_dynamic(..., dtype=torch.float16)`` runs). Unlike ATen's fp16 product it neither rounds the
+    input nor the output, and it multiplies several rows without widening the weights once per row."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # (M, K)
+    y = torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(rows, weight, bias)  # (M, N)
+    return y.view(*x.shape[:-1], -1)
+
+
 def half_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``x (..., K) @ weight.T + bias`` -> (..., N) in fp32, ``weight`` (N, K) read in bf16 / fp16: ``x`` is rounded to
     the weight's dtype, ATen's product accumulates in fp32 and rounds its output to that dtype, widened here."""
@@ -127,13 +155,18 @@ def half_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tenso
     return y + bias if bias is not None else y
 
 
-_COPIES = {"bf16": _bf16_copy, "int8": _int8_copy, **{kind: _half_copy(kind) for kind in _HALF_DTYPES}}
+_COPIES = {
+    "bf16": _bf16_copy,
+    "int8": _int8_copy,
+    "f16fb": _fbgemm_f16_copy,
+    **{kind: _half_copy(kind) for kind in _HALF_DTYPES},
+}
 
 
 def _packed_group(group: tuple[torch.nn.Module, ...], kind: str = "bf16") -> tuple:
-    """The ``kind`` copy of ``group``'s weights (:data:`_COPIES`: bf16 ``(packed weight, bias)``, bf16w / f16w
-    ``(weight, bias)``, int8 ``(weight, scales, bias)``), stacked by output rows; cached across generations and
-    made again when a weight or bias changed (merge, load)."""
+    """The ``kind`` copy of ``group``'s weights (:data:`_COPIES`: bf16 ``(packed weight, bias)``, bf16w / f16w /
+    f16fb ``(weight, bias)``, int8 ``(fbgemm-packed weight and bias,)``), stacked by output rows; cached across
+    generations and made again when a weight or bias changed (merge, load)."""
     params = tuple(p for m in group for p in (m.weight, m.bias) if isinstance(p, torch.Tensor))
     key = (kind, *map(id, group))
 
@@ -160,7 +193,12 @@ def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     return _LINEAR_POINTWISE(rows, weight, bias, "none", [], "").view(*x.shape[:-1], -1)  # (..., out)
 
 
-_PRODUCTS = {"bf16": _packed_product, "int8": int8_product, **{kind: half_product for kind in _HALF_DTYPES}}
+_PRODUCTS = {
+    "bf16": _packed_product,
+    "int8": int8_product,
+    "f16fb": fbgemm_f16_product,
+    **{kind: half_product for kind in _HALF_DTYPES},
+}
 
 
 def _reads_copy(module: torch.nn.Module, kind: str | None) -> bool:

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from unimae.runtime.memory import cpu_model
-from unimae.runtime.precision import bf16_supported, int8_supported, resolve_inference_precision
+from unimae.runtime.precision import bf16_supported, fbgemm_supported, resolve_inference_precision
 
 AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SPEED_FLAGS = (
@@ -58,7 +58,7 @@ def cpu_facts() -> dict:
         "cpu_flags": cpu_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_native": bf16_supported(cpu),
-        "int8_weight_kernel": int8_supported(cpu),
+        "fbgemm": fbgemm_supported(cpu),
         "auto_precision": resolve_inference_precision("auto", cpu),
         "emulation": emulation or None,
         "avx2_emulated": emulation == AVX2_EMULATION,

@@ -3,13 +3,21 @@
 A weight ``W`` (N, K) is stored as ``q = round(W / s)`` in int8 with one fp32 scale per output row,
 ``s_n = max_k |W_nk| / 127``, so ``W ~= s[:, None] * q`` (error at most ``s_n / 2`` per entry).
 
-* Weight-only int8 (the decode steps, :mod:`unimae.generation.fast_path`): ``y = (x @ q.T) * s`` with ``x`` in fp32,
-  computed by ``torch.ops.aten._weight_int8pack_mm(x, q, s)``: the weights are read as int8 and widened in
-  registers, so a memory-bound step reads a quarter of fp32's bytes. :func:`int8_weight` gives ``(q, s, bias)`` of
-  a plain ``nn.Linear`` (quantized here) or of a dynamically quantized one (its own int8 weights, not copied).
+* The decode steps (:mod:`unimae.generation.fast_path`): :func:`int8_weight` gives ``(q, s, bias)`` of a plain
+  ``nn.Linear`` (quantized here) or of a dynamically quantized one (its own int8 weights); the step stacks q/k/v
+  and gate/up, packs them for fbgemm once (:func:`prepack`) and computes :func:`int8_product`: the input is
+  quantized to 8 bits per call and multiplied in int8 (fbgemm's dynamic linear). A memory-bound step reads a
+  quarter of fp32's bytes, and the int8 products are also cheaper than fp32 ones when several rows (streams)
+  share a step. ATen's weight-only kernel (``aten._weight_int8pack_mm``: fp32 activations, int8 weights widened
+  in registers) was tried first and was slower than fp32 for one row on the CPUs measured (``docs/results.md``).
 * Dynamic quantization (the embedding forwards of ``precision='int8'``): :func:`quantize_linears` replaces the
-  linear layers by ``torch.ao.nn.quantized.dynamic.Linear`` (per-row int8 weights; each call quantizes its
-  input to int8 and multiplies in int8 with fbgemm), where a compute-bound forward gains.
+  linear layers by ``torch.ao.nn.quantized.dynamic.Linear`` (the same per-row int8 weights and products), where a
+  compute-bound forward gains.
+
+Activations get one scale per call (the whole (rows, K) input), not one per row: a decode step that stacks
+several streams' rows (in-flight batching) quantizes them together, so a stream's tokens can depend on which
+other streams share its steps. llama.cpp's q8_0 quantizes activations per 32 values; fbgemm's dynamic linear
+offers per-tensor scales only.
 
 A LoRA adapter stays exact: merged in fp32 into the weights before they are quantized, or, unmerged, its
 ``lora_A`` / ``lora_B`` layers are never quantized (:func:`is_lora_layer`) and run in fp32 beside the int8 base.
@@ -53,15 +61,24 @@ def int8_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, to
     return q, scales, None if module.bias is None else module.bias.detach().float()
 
 
-def int8_product(
-    weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
-) -> torch.Tensor:
-    """``x (..., K) @ (scales[:, None] * weight).T + bias`` -> (..., N) in fp32, the weights read as int8."""
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # (M, K)
-    y = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)  # (M, N)
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], -1)
+def prepack(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.ScriptObject:
+    """fbgemm's packed form of an int8 ``weight`` (N, K) with fp32 per-row ``scales`` (N,) and fp32 ``bias`` (N,) or
+    None, for :func:`int8_product` (made once per layer; the x86 / fbgemm quantized engine)."""
+    zeros = torch.zeros(len(scales), dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors' deprecation notice: fbgemm's kernels are what we want
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(), zeros, 0)  # (N, K) qint8
+        return torch.ops.quantized.linear_prepack(qweight, bias)
+
+
+def int8_product(packed: torch.ScriptObject, x: torch.Tensor) -> torch.Tensor:
+    """``x (..., K) @ W.T + bias`` -> (..., N) in fp32 with int8 products (fbgemm's dynamic linear, what a
+    ``torch.ao.nn.quantized.dynamic.Linear`` runs): ``x`` is quantized per call to uint8 with one scale and zero
+    point over the whole call (range reduced to 7 bits, as PyTorch's dynamic linear does against AVX2's
+    saturating int8 multiply), the weights are ``packed`` per-row int8 (:func:`prepack`), products accumulate in
+    int32 and are rescaled to fp32. One scale per call means the rows of a several-row call share it: a row's
+    numbers then depend on the other rows (module docstring)."""
+    return torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed, True)
 
 
 def is_lora_layer(name: str) -> bool:

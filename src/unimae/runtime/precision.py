@@ -5,18 +5,23 @@ Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~uni
 ``unimae embed / generate / serve``) among :data:`INFERENCE_PRECISIONS`, which adds four CPU values:
 
 * ``bf16-decode`` / ``f16-decode``: embeddings in fp32 (the same numbers as ``fp32``); the one-token decode steps
-  read each linear layer's weights as bf16 / fp16 copies (weight-only 16-bit: the layer's input is rounded to
-  that dtype, ATen's one-row product accumulates in fp32, the output is widened to fp32; norms, attention and
-  the residual stream stay fp32: :mod:`unimae.generation.fast_path`). A decode step of a small model is bound by
-  reading its weights, so half of fp32's bytes is where CPUs without native bf16 (AVX2) gain; the prefill
-  stays fp32, so the first new token is fp32's. bf16 keeps fp32's range (no overflow on any model) and was the
-  fastest on AVX2 (``docs/results.md``); fp16 keeps 3 more mantissa bits (greedy tokens follow fp32's longer)
-  but overflows past 65504, which some models' activations reach (Gemma's), so it is opt-in.
+  read each linear layer's weights as bf16 / fp16 copies (weight-only 16-bit; norms, attention and the residual
+  stream stay fp32: :mod:`unimae.generation.fast_path`). A decode step of a small model is bound by reading its
+  weights, so half of fp32's bytes is where CPUs without native bf16 (AVX2) gain; the prefill stays fp32, so
+  the first new token is fp32's. ``f16-decode`` on x86 runs fbgemm's fp16 product (fp32 input and output, the
+  fp16 weights widened in registers): no activation is rounded, fp16 keeps 3 more mantissa bits than bf16,
+  and it multiplies several streams' rows at once far faster than ATen's 16-bit products do (``docs/results.md``,
+  the AVX2 table); a weight beyond fp16's 65504 is an error naming ``bf16-decode``. Elsewhere (ARM) it runs
+  ATen's fp16 product, which rounds the layer's input to fp16 (overflow past 65504, which some models'
+  activations reach: Gemma's). ``bf16-decode`` runs ATen's bf16 product (input rounded to bf16, fp32
+  accumulation, output widened; fp32's range).
 * ``int8-decode``: embeddings in fp32 (the same numbers as ``fp32``); the one-token decode steps read each linear
-  layer's weights as int8 with one fp32 scale per output row (weight-only int8, activations and accumulation in
-  fp32: ``torch.ops.aten._weight_int8pack_mm``, :mod:`unimae.generation.fast_path`). A decode step of a small
-  model is bound by reading its weights, so a quarter of fp32's bytes is where CPUs without native bf16 (AVX2)
-  gain; the prompt's prefill (compute-bound) stays fp32, so the first new token is fp32's.
+  layer's weights as int8 with one fp32 scale per output row and quantize the layer's input to 8 bits per call
+  (fbgemm's dynamic int8 linear, as llama.cpp's q8_0 quantizes activations too: :mod:`unimae.runtime.int8`,
+  :mod:`unimae.generation.fast_path`). A decode step of a small model is bound by reading its weights (a quarter
+  of fp32's bytes here), and several streams' rows multiply in int8; the prompt's prefill stays fp32, so the
+  first new token is fp32's. Rows that share a step share the input's scale (a stream's tokens can depend on
+  its neighbours').
 * ``int8``: ``int8-decode``, and the embedding forwards through dynamically quantized linear layers too
   (``torch.ao.quantization.quantize_dynamic``: int8 weights per output row, int8 activations per call, fbgemm's
   int8 products). This changes the embeddings (their dev-suite cost is not measured yet), so it is opt-in:
@@ -24,12 +29,12 @@ Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~uni
   loaded model computes, and ``int8`` keeps only the int8 weights in memory (a quarter of fp32's).
 
 What ``auto`` picks (:func:`resolve_inference_precision`): ``bf16`` where the device runs bf16 natively (CUDA with
-bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other CPUs (AVX2) ``bf16-decode``; ``fp32`` on other
-devices. ``int8-decode`` is not picked: ATen's weight-only int8 product for one row
-(``aten._weight_int8pack_mm``) was slower than fp32's on the CPUs measured (``docs/results.md``), though it
-holds a quarter of fp32's bytes. :func:`resolve_precision` (training,
-evaluation) keeps ``auto`` -> ``bf16`` or ``fp32``. Under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` a
-bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks there what it picks on a real AVX2 CPU.
+bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other x86 CPUs (AVX2) ``f16-decode`` (fbgemm), on other
+CPUs ``bf16-decode``; ``fp32`` on other devices. ``int8-decode`` is not picked: it rounds the activations too, a
+larger change to the generated text than 16-bit weights (its cost is in ``docs/results.md``).
+:func:`resolve_precision` (training, evaluation) keeps ``auto`` -> ``bf16`` or ``fp32``. Under
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` a bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks
+there what it picks on a real AVX2 CPU.
 
 Devices (:func:`resolve_device`, every ``--device``): ``auto`` is the first CUDA GPU if PyTorch sees one, else the
 CPU; ``cpu``, ``cuda`` and ``cuda:N`` name one, and a GPU that is not there is an error at once. On a GPU ``auto``
@@ -103,10 +108,13 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
-def int8_supported(device: torch.device) -> bool:
-    """Whether this PyTorch build has the weight-only int8 matrix product (``aten._weight_int8pack_mm``) on ``device``
-    (a CPU; its vectorized kernels cover AVX2 and AVX-512)."""
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+def fbgemm_supported(device: torch.device) -> bool:
+    """Whether this PyTorch build has fbgemm (the x86 / fbgemm quantized engine) on ``device``: its dynamic int8
+    linear and its fp16-weight / fp32-activation product (a CPU; x86 builds, vectorized for AVX2 and AVX-512)."""
+    engines = torch.backends.quantized.supported_engines
+    ops = ("fbgemm_pack_gemm_matrix_fp16", "fbgemm_linear_fp16_weight_fp32_activation")  # deprecated in 2.13
+    has_ops = all(hasattr(torch.ops.aten, op) for op in ops) and hasattr(torch.ops.quantized, "linear_dynamic")
+    return device.type == "cpu" and ("x86" in engines or "fbgemm" in engines) and has_ops
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -120,23 +128,25 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 def resolve_inference_precision(precision: str, device: torch.device) -> str:
     """A precision of :data:`INFERENCE_PRECISIONS` -> what an :class:`~unimae.encoder.Encoder` runs: 'auto' ->
-    'bf16' where the device runs it natively, else 'bf16-decode' on a CPU, else 'fp32' (see the module
-    docstring). The 16-bit decode and int8 values run on CPUs only."""
+    'bf16' where the device runs it natively, else on a CPU 'f16-decode' with fbgemm (x86) or 'bf16-decode'
+    without, else 'fp32' (see the module docstring). The 16-bit decode and int8 values run on CPUs only."""
     if precision not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision must be one of {INFERENCE_PRECISIONS}, got {precision!r}")
     if precision == "auto":
         if bf16_supported(device):
             return "bf16"
-        return "bf16-decode" if device.type == "cpu" else "fp32"
+        if device.type != "cpu":
+            return "fp32"
+        return "f16-decode" if fbgemm_supported(device) else "bf16-decode"
     if precision in HALF_DECODE_PRECISIONS and device.type != "cpu":
         raise ValueError(
             f"precision {precision!r} runs on CPUs (its decode weights are read by ATen's CPU products); this is "
             f"{device}: pass 'bf16' or 'fp32'"
         )
-    if precision in INT8_PRECISIONS and not int8_supported(device):
+    if precision in INT8_PRECISIONS and not fbgemm_supported(device):
         raise ValueError(
-            f"precision {precision!r} runs on CPUs with PyTorch's weight-only int8 kernel "
-            f"(aten._weight_int8pack_mm); this is {device} on torch {torch.__version__}: pass 'fp32' or 'bf16'"
+            f"precision {precision!r} runs on CPUs with PyTorch's fbgemm (x86) quantized engine; this is {device} "
+            f"on torch {torch.__version__}: pass 'fp32' or 'bf16'"
         )
     return precision
 
