@@ -10,7 +10,8 @@ k coordinates re-normalised) over
   first 12 words of a seeded sample of the paragraphs), scored by retrieval acc@1 (the top hit is the
   question's own paragraph).
 
-The passages are embedded once per size (float32 unit rows, shared by every kind); memory is FAISS's bytes per
+Each corpus is embedded once, at the full size (float32 unit rows); every kind and size is indexed from those
+vectors (the first k coordinates re-normalised: what ``encode(dimensions=k)`` gives); memory is FAISS's bytes per
 vector (the serialized index over the vector count, x 1M for the table). Writes ``--output`` (one entry per
 setup, other entries kept) with the CPU model.
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from unimae.files import update_json
+from unimae.retrieval.index import IndexConfig
 from unimae.runtime.memory import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +62,7 @@ def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[in
 
 
 def build(encoder, passages, kind: str, dims: int | None, folder: Path):
-    from unimae.retrieval.index import IndexConfig, VectorIndex
+    from unimae.retrieval.index import VectorIndex
 
     return VectorIndex.build(encoder, passages, folder, IndexConfig(kind=kind, dimensions=dims or None))
 
@@ -102,16 +104,18 @@ def main() -> None:
     corpus, queries, qrels = scifact(args.data_dir)
     passages, questions, chosen = rag_questions(args.questions)
     output = args.output or ROOT / "results" / f"retrieval-{args.model.split('-')[0]}" / "index-kinds.json"
-    for dims in args.dimensions:
-        with tempfile.TemporaryDirectory() as tmp:
-            # embed once per size (the flat build); the other kinds reuse its shards by copying them
+    corpora = {"sci": corpus, "rag": passages}
+    with tempfile.TemporaryDirectory() as tmp:
+        # each corpus embedded once, at the full size (unit rows); every setup is seeded from these
+        full = {name: embedded(encoder, texts, Path(tmp) / f"{name}-full") for name, texts in corpora.items()}
+        for dims in args.dimensions:
             for kind in args.kinds:
                 start = time.perf_counter()
-                sci_dir, rag_dir = Path(tmp) / f"sci-{kind}", Path(tmp) / f"rag-{kind}"
-                _seed_shards(Path(tmp) / f"sci-{args.kinds[0]}", sci_dir)
-                _seed_shards(Path(tmp) / f"rag-{args.kinds[0]}", rag_dir)
-                sci = build(encoder, corpus, kind, dims, sci_dir)
-                rag = build(encoder, passages, kind, dims, rag_dir)
+                folders = {name: Path(tmp) / f"{name}-{kind}-{dims}" for name in full}
+                for name, texts in corpora.items():
+                    seed(folders[name], encoder, texts, IndexConfig(kind=kind, dimensions=dims or None), full[name])
+                sci = build(encoder, corpus, kind, dims, folders["sci"])
+                rag = build(encoder, passages, kind, dims, folders["rag"])
                 entry = {
                     "model": args.model,
                     "adapter": args.adapter,
@@ -119,8 +123,8 @@ def main() -> None:
                     "dimensions": dims or encoder.embedding_dim,
                     "scifact_ndcg10": round(ndcg10(sci, encoder, queries, qrels, dims) * 100, 2),
                     "rag_acc1": acc1(rag, encoder, passages, questions, chosen, dims),
-                    "bytes_per_vector": round(bytes_per_vector(sci_dir, len(corpus)), 1),
-                    "mb_per_million": round(bytes_per_vector(sci_dir, len(corpus)) * 1e6 / 2**20, 1),
+                    "bytes_per_vector": round(bytes_per_vector(folders["sci"], len(corpus)), 1),
+                    "mb_per_million": round(bytes_per_vector(folders["sci"], len(corpus)) * 1e6 / 2**20, 1),
                     "seconds": round(time.perf_counter() - start, 1),
                     "cpu_model": cpu_model(),
                 }
@@ -128,17 +132,25 @@ def main() -> None:
                 update_json(output, {f"{args.label}/{kind}/{entry['dimensions']}": entry})
 
 
-def _seed_shards(source: Path, target: Path) -> None:
-    """Copy the float shards and manifest of an earlier build at the same size, so the next kind resumes them
-    instead of embedding again (a manifest of another kind resumes: the shards do not depend on the kind)."""
-    import shutil
+def embedded(encoder, passages, folder: Path) -> np.ndarray:
+    """(N, D) unit rows of ``passages``: a full-size flat build's shards, read back in order."""
+    build(encoder, passages, "flat", 0, folder)
+    shards = sorted((folder / "shards").glob("*.npy"))  # named by their first passage, zero-padded
+    return np.concatenate([np.load(shard) for shard in shards])
 
-    if source == target or not (source / "shards").is_dir():
-        return
-    shutil.copytree(source / "shards", target / "shards")
-    manifest = json.loads((source / "manifest.json").read_text())
-    manifest["complete"] = False
-    (target / "manifest.json").write_text(json.dumps(manifest))
+
+def seed(folder: Path, encoder, passages, config, full: np.ndarray) -> None:
+    """Write the shards and manifest that ``VectorIndex.build(encoder, passages, folder, config)`` would embed, from
+    ``full`` (N, D) unit rows: the first k coordinates re-normalised (what ``encode(dimensions=k)`` gives, up to
+    float rounding), so the build resumes them and only indexes."""
+    from unimae.embedding.vectors import finish_embeddings
+    from unimae.retrieval.index import index_manifest, write_shard
+
+    vectors = finish_embeddings(full, config.dimensions, normalize=True)  # (N, k)
+    (folder / "shards").mkdir(parents=True)
+    for start in range(0, len(passages), config.shard_size):
+        write_shard(folder / "shards", start, vectors[start : start + config.shard_size])
+    (folder / "manifest.json").write_text(json.dumps(index_manifest(encoder, passages, config, None)))
 
 
 if __name__ == "__main__":
