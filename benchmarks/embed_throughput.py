@@ -13,7 +13,8 @@ loaded with ``SentenceTransformer(path)`` and ``HF_HUB_OFFLINE=1``.
 
 The report records the CPU (``cpu``: model, flags, the kernels PyTorch dispatched, what ``--precision auto``
 chose; :func:`unimae.runtime.cpu.cpu_facts`). ``--emulate-avx2`` runs again under ``ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2`` (or set them yourself), as on an AVX2 CPU without native bf16. ``--precision int8``
+ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` (or set them yourself), as on an AVX2 CPU without native
+bf16. ``--precision int8``
 embeds through dynamically quantized linear layers (MiniLM then runs in fp32: autocast is bf16 only).
 
     python benchmarks/embed_throughput.py --emulate-avx2 --precision int8 --repeats 3
@@ -167,7 +168,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--emulate-avx2",
         action="store_true",
-        help="Run again under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (an AVX2 CPU without native bf16).",
+        help="Run again under unimae.runtime.cpu.AVX2_EMULATION (as an AVX2 CPU without native bf16).",
     )
     parser.add_argument("--device", default=None, help="Device of both models (default: unimae's).")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default).")

@@ -17,7 +17,8 @@ the same length) after a ~120-token prompt:
   llama.cpp's threads idle at zero CPU between requests), steadier than wall time on a shared machine.
 
 unimae: ``Encoder.from_pretrained(--model)`` at ``--precision`` (auto: bf16 where the CPU has it, with its
-bf16 weights; otherwise bf16-decode: fp32 weights, read as bf16 copies in the decode steps). llama.cpp: the model's
+bf16 weights; otherwise on x86 f16-decode: fp32 weights, read as fp16 copies by fbgemm in the decode steps, else
+bf16-decode). llama.cpp: the model's
 own GGUF (Q4_1 for smollm2-135m) and, where
 ``unimae.export.gguf`` can write them, the same weights as f16 and q8_0 GGUFs (cached under
 ``$UNIMAE_CACHE/gguf``). The comparison entry ``llama.cpp`` is the f16 file (16-bit weights like unimae's
@@ -32,9 +33,9 @@ their median. Both use ``--threads`` threads (default: all cores this process ma
 
 The results record the CPU they ran on (``generation_benchmark.machine``: model, flags, the kernels PyTorch
 dispatched, what ``--precision auto`` chose; :func:`unimae.runtime.cpu.cpu_facts`). ``--emulate-avx2`` starts
-the benchmark again under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (setting them yourself does the
-same): PyTorch and oneDNN keep to AVX2, so ``auto`` picks what it picks on an AVX2 CPU; llama.cpp keeps its own
-CPU detection (its AVX-512 kernels still run).
+the benchmark again under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2``
+(setting them yourself does the same): PyTorch, oneDNN and fbgemm keep to AVX2, so ``auto`` picks what it picks on
+an AVX2 CPU. The ``xllamacpp`` wheel is built for AVX2 only (its ``get_system_info()``), with or without them.
 """
 
 from __future__ import annotations
@@ -362,7 +363,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--emulate-avx2",
         action="store_true",
-        help="Run again under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (an AVX2 CPU without native bf16).",
+        help="Run again under unimae.runtime.cpu.AVX2_EMULATION (as an AVX2 CPU without native bf16).",
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--new-tokens", type=int, default=64)

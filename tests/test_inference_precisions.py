@@ -1,8 +1,9 @@
-"""The CPU inference precisions beyond fp32/bf16 (unimae.runtime.precision, unimae.runtime.int8, the weight-only
-copies of unimae.generation.fast_path) on tiny random models, on any CPU.
+"""The CPU inference precisions beyond fp32/bf16 (unimae.runtime.precision, unimae.runtime.int8, the weight copies
+of unimae.generation.fast_path) on tiny random models, on any CPU (the int8 ones and fbgemm's fp16 on x86).
 
-``bf16-decode`` / ``f16-decode`` / ``int8-decode`` embed in fp32 and decode on weight-only bf16 / fp16 / int8 copies
-of the weights; ``int8`` also embeds through dynamically quantized linear layers. They round the weights, so
+``bf16-decode`` / ``f16-decode`` / ``int8-decode`` embed in fp32 and decode on bf16 / fp16 / int8 copies of the
+weights (int8 also rounds each layer's input); ``int8`` also embeds through dynamically quantized linear layers.
+They round, so
 generation is compared to fp32 step by step on fp32's own tokens (teacher forcing): the logits stay close, and a
 greedy token differs only where fp32's two best logits were nearly tied. Nothing here needs native bf16; nothing
 here times anything.
@@ -25,10 +26,12 @@ from unimae.generation import fast_path
 from unimae.generation.decoding import Decoder, decode_tokens
 from unimae.generation.fast_path import _fbgemm_f16_copy, fbgemm_f16_product, half_product
 from unimae.generation.sampling import GenerationParams
+from unimae.runtime.cpu import AVX2_EMULATION
 from unimae.runtime.int8 import int8_product, int8_weight, prepack, quantize_rows
 from unimae.runtime.precision import (
     DECODE_ONLY_PRECISIONS,
     INFERENCE_PRECISIONS,
+    INT8_PRECISIONS,
     PRECISIONS,
     bf16_supported,
     fbgemm_supported,
@@ -39,8 +42,16 @@ from unimae.runtime.precision import (
 CPU = torch.device("cpu")
 PROMPTS = ["the cat sat on", SENTENCES[2] + " and the", "stock markets rose", "children played football"]
 NEW = 16
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2 = AVX2_EMULATION
+FBGEMM = fbgemm_supported(CPU)
+NEEDS_FBGEMM = pytest.mark.skipif(not FBGEMM, reason="needs fbgemm (x86 CPUs): the int8 and fp16 products")
 ROUNDED = [*DECODE_ONLY_PRECISIONS, "int8"]  # every precision whose decode steps read rounded weights
+RUNNABLE = [p for p in ROUNDED if FBGEMM or p not in INT8_PRECISIONS]  # what this CPU runs
+
+
+def _params(precisions: list[str]) -> list:
+    """pytest params of ``precisions``, the int8 ones skipped without fbgemm."""
+    return [pytest.param(p, marks=NEEDS_FBGEMM) if p in INT8_PRECISIONS else p for p in precisions]
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -76,6 +87,7 @@ def _greedy(encoder: Encoder, ids: list[int], new: int = NEW) -> list[int]:
     return list(decode_tokens(encoder.model, ids, GenerationParams(max_new_tokens=new), set(), encoder.precision))
 
 
+@NEEDS_FBGEMM
 def test_int8_rows_round_within_half_a_step_and_the_kernel_computes_the_product():
     torch.manual_seed(0)
     weight, x = torch.randn(40, 24), torch.randn(3, 5, 24)  # (N, K), (..., K)
@@ -104,7 +116,7 @@ def test_the_16_bit_product_rounds_input_weight_and_output_only(dtype):
     assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))  # it does round
 
 
-@pytest.mark.skipif(not fbgemm_supported(CPU), reason="fbgemm is x86-only")
+@NEEDS_FBGEMM
 def test_the_fbgemm_fp16_product_rounds_the_weights_only_and_refuses_what_fp16_cannot_hold():
     torch.manual_seed(0)
     layers = (torch.nn.Linear(24, 40), torch.nn.Linear(24, 8))  # stacked by output rows, as q/k/v are
@@ -117,10 +129,11 @@ def test_the_fbgemm_fp16_product_rounds_the_weights_only_and_refuses_what_fp16_c
     assert not torch.equal(y, torch.nn.functional.linear(x, weight, bias))  # it does round the weights
     with torch.no_grad():
         layers[1].weight[0, 0] = 7e4
-    with pytest.raises(ValueError, match="does not fit fp16: use precision 'bf16-decode'"):
+    with pytest.raises(ValueError, match="does not fit fp16.*pass --precision bf16-decode"):
         _fbgemm_f16_copy(layers)
 
 
+@NEEDS_FBGEMM
 def test_a_dynamically_quantized_layer_lends_its_own_int8_weights():
     from unimae.runtime.int8 import quantize_linears
 
@@ -137,7 +150,7 @@ def test_auto_picks_a_16_bit_decode_only_where_bf16_is_not_native_and_training_k
     expected = "f16-decode" if fbgemm_supported(CPU) else "bf16-decode"
     assert resolve_inference_precision("auto", CPU) == ("bf16" if bf16_supported(CPU) else expected)
     assert resolve_precision("auto", CPU) in ("bf16", "fp32")  # training and evaluation never pick these
-    for precision in ("bf16", "fp32", *ROUNDED):
+    for precision in ("bf16", "fp32", *RUNNABLE):
         assert resolve_inference_precision(precision, CPU) == precision
     for precision in ROUNDED:
         with pytest.raises(ValueError, match="precision must be one of"):
@@ -159,10 +172,11 @@ def test_generate_embed_serve_and_evaluate_embeddings_take_the_inference_precisi
     assert "int8" not in PRECISIONS
 
 
+@NEEDS_FBGEMM
 def test_auto_under_avx2_emulation_chooses_what_an_avx2_cpu_gets_and_its_kernels_run(tiny_model_dirs):
-    """Under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (a subprocess): PyTorch reports AVX2 and no oneDNN bf16,
-    ``auto`` resolves to f16-decode (fbgemm on x86), and it and the int8 precision load, embed and generate (their
-    kernels run under AVX2 dispatch)."""
+    """Under AVX2_EMULATION (ATen, oneDNN and fbgemm kept to AVX2; a subprocess): PyTorch reports AVX2 and no oneDNN
+    bf16, ``auto`` resolves to f16-decode (fbgemm on x86), and it and the int8 precision load, embed and generate
+    (their AVX2 kernels run)."""
     script = f"""
 import json, torch
 from unimae.encoder import Encoder
@@ -187,7 +201,7 @@ print(json.dumps(facts))
         assert facts[precision]["dim"] == 64 and facts[precision]["head_copy"], facts[precision]
 
 
-@pytest.mark.parametrize("precision", ROUNDED)
+@pytest.mark.parametrize("precision", _params(ROUNDED))
 def test_rounded_precisions_embed_like_fp32(tiny_dir, precision):
     """The decode-only precisions embed in fp32 (identical vectors); int8's dynamically quantized layers stay within
     cosine 0.99."""
@@ -203,7 +217,7 @@ def test_rounded_precisions_embed_like_fp32(tiny_dir, precision):
         assert type(encoder.model.get_output_embeddings()) is DynamicQuantizedLinear
 
 
-@pytest.mark.parametrize("precision", ROUNDED)
+@pytest.mark.parametrize("precision", _params(ROUNDED))
 def test_rounded_decode_follows_fp32_up_to_near_ties(tiny_dir, precision):
     """On fp32's own greedy tokens, every rounded step's logits are within cosine 0.99 of fp32's, and where its
     argmax differs, fp32's two best logits were closer than twice the step's largest logit error. The decode-only
@@ -230,7 +244,7 @@ def test_rounded_decode_follows_fp32_up_to_near_ties(tiny_dir, precision):
     print(f"first divergence from fp32 ({precision}, {NEW} new tokens):", divergences)
 
 
-@pytest.mark.parametrize("precision", DECODE_ONLY_PRECISIONS)
+@pytest.mark.parametrize("precision", _params(DECODE_ONLY_PRECISIONS))
 def test_decode_copies_are_made_for_the_base_weights_only_and_warm_up_makes_them(tiny_model_dirs, precision):
     from peft import LoraConfig, get_peft_model
 
@@ -262,7 +276,7 @@ def _adapter(tiny_dir, path) -> str:
 
 
 @pytest.mark.parametrize("merge", [None, False], ids=["merged", "unmerged"])
-@pytest.mark.parametrize("precision", ["bf16-decode", "int8-decode", "int8"])
+@pytest.mark.parametrize("precision", _params(["bf16-decode", "f16-decode", "int8-decode", "int8"]))
 def test_the_adapter_moves_rounded_outputs_as_it_moves_fp32(tiny_dir, tmp_path, precision, merge):
     """What the adapter changes (adapter minus base) in the embeddings and in the decode steps' logits points the
     same way in int8 as in fp32 (cosine >= 0.9); unmerged, its own layers stay fp32 beside the int8 base."""

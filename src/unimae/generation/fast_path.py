@@ -1,10 +1,10 @@
-"""The decoder's CPU fast path: a hand-written Llama step, oneDNN-packed bf16 weights and weight-only 16-bit and
-int8 weights, with module-level state.
+"""The decoder's CPU fast path: a hand-written Llama step, oneDNN-packed bf16 weights, and the 16-bit and int8
+weight copies of the decode precisions, with module-level state.
 
 The first two are taken by :class:`~unimae.generation.decoding.Decoder` wherever they apply; neither changes a
 number (tests/test_generation.py), only the time a step takes. The third is the one-token steps of the
-weight-only precisions (``bf16-decode``, ``f16-decode``, ``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`),
-which round the weights:
+decode precisions (``bf16-decode``, ``f16-decode``, ``int8-decode``, ``int8``: :mod:`unimae.runtime.precision`),
+which round the weights (and under int8 the layers' inputs):
 
 * for Llama-family models (chosen by ``config.model_type`` in :data:`LEAN_MODEL_TYPES`) the one-token steps
   run :class:`LlamaStep`, a flat loop over the layers with the same operations on the same modules
@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 from transformers import DynamicCache
 
 from unimae.generation.kv_cache import KVPool, attend_rows, preallocated
@@ -106,7 +107,10 @@ def _bf16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.
 
 
 def _int8_copy(group: tuple[torch.nn.Module, ...]) -> tuple[torch.ScriptObject]:
-    """(fbgemm-packed int8 weights and fp32 bias,) of ``group``'s linears stacked by output rows (per-row scales)."""
+    """(fbgemm-packed int8 weights and fp32 bias,) of ``group``'s linears stacked by output rows (per-row scales); a
+    lone dynamically quantized layer lends its own packed weights (no copy)."""
+    if len(group) == 1 and type(group[0]) is DynamicQuantizedLinear:
+        return (group[0]._packed_params._packed_params,)
     parts = [int8_weight(m) for m in group]
     weight = torch.cat([p[0] for p in parts])  # (sum out, in) int8
     scales = torch.cat([p[1] for p in parts])  # (sum out,)
@@ -126,23 +130,27 @@ def _half_copy(kind: str) -> Callable:
     return copy
 
 
-def _fbgemm_f16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fbgemm-packed fp16 weight, fp32 bias (zeros where the layers have none)) of ``group``'s linears stacked by
-    output rows. fp16 holds weights up to 65504 in magnitude; a layer beyond that is an error that names bf16."""
+def _fbgemm_f16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fbgemm-packed fp16 weight, fp32 bias or None) of ``group``'s linears stacked by output rows. fp16 holds
+    weights up to 65504 in magnitude; a layer beyond that is an error that names bf16 (no released LLM's linear
+    weights come near it, so ``auto`` does not check ahead)."""
     weight = torch.cat([m.weight.detach() for m in group]).float()  # (sum out, in)
     largest = weight.abs().max().item()
     if not largest <= torch.finfo(torch.float16).max:
-        raise ValueError(f"a linear weight of {largest:g} does not fit fp16: use precision 'bf16-decode'")
-    bias = torch.cat([m.bias.detach() for m in group]).float() if group[0].bias is not None else None
-    bias = torch.zeros(weight.shape[0]) if bias is None else bias  # (sum out,)
+        raise ValueError(
+            f"a linear weight of {largest:g} does not fit fp16, which f16-decode (what --precision auto picks on "
+            "this CPU) reads: pass --precision bf16-decode"
+        )
+    bias = torch.cat([m.bias.detach() for m in group]).float() if group[0].bias is not None else None  # (sum out,)
     return torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight), bias
 
 
-def fbgemm_f16_product(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def fbgemm_f16_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``x (..., K) @ weight.T + bias`` -> (..., N) in fp32, ``weight`` fbgemm-packed fp16 (:func:`_fbgemm_f16_copy`):
     ``x`` stays fp32, the weights are widened in registers and products accumulate in fp32 (fbgemm's fp16 GEMM,
     what ``quantize_dynamic(..., dtype=torch.float16)`` runs). Unlike ATen's fp16 product it neither rounds the
-    input nor the output, and it multiplies several rows without widening the weights once per row."""
+    input nor the output, and it multiplies several rows without widening the weights once per row. ATen calls it
+    on one thread (measured: no faster with two), where its own 16-bit products use every thread."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # (M, K)
     y = torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(rows, weight, bias)  # (M, N)
     return y.view(*x.shape[:-1], -1)
@@ -236,13 +244,11 @@ def packed_linears(model) -> None:
 
 
 def weight_only_linears(model) -> None:
-    """Mark the linear layers of ``model`` whose weights a weight-only decode step (bf16w, f16w, int8) reads as a
-    copy (plain ``nn.Linear`` and dynamically quantized ones, a LoRA adapter's own layers left out:
+    """Mark the linear layers of ``model`` whose weights a decode precision's step (bf16w, f16w, f16fb, int8) reads
+    as a copy (plain ``nn.Linear`` and dynamically quantized ones, a LoRA adapter's own layers left out:
     :func:`unimae.runtime.int8.quantizable_linears`) and route them through :func:`_linear_forward` (idempotent).
-    Outside such a step they compute as before; the copies of plain layers (int8: a quarter of their fp32 size,
-    bf16 / fp16: half) are made at the first step."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
+    Outside such a step they compute as before; the copies (int8: a quarter of the fp32 size, bf16 / fp16: half;
+    stacked q/k/v and gate/up of dynamically quantized layers are copies too) are made at the first step."""
     names = set(quantizable_linears(model))
     for name, module in model.named_modules():
         if name in names or type(module) is DynamicQuantizedLinear:

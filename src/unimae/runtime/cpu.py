@@ -1,8 +1,10 @@
 """What the CPU offers PyTorch (recorded with every speed figure), and running as if it were an AVX2 machine.
 
 ``ATEN_CPU_CAPABILITY=avx2`` makes PyTorch dispatch its AVX2 kernels and report AVX2; ``ONEDNN_MAX_CPU_ISA=AVX2``
-keeps oneDNN to AVX2 (no AVX-512, no bf16 instructions). Both are read when torch loads, so
-:func:`emulate_avx2` starts the program again with them set. Under them ``--precision auto`` chooses what it
+keeps oneDNN to AVX2 (no AVX-512, no bf16 instructions); ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` keeps fbgemm (the
+int8 and fp16 products of the decode precisions, dynamic int8) to its AVX2 kernels, which read its own CPU
+detection, not ATen's. All are read when the libraries load, so :func:`emulate_avx2` starts the program again
+with them set. Under them ``--precision auto`` chooses what it
 chooses on a real AVX2 CPU (:func:`unimae.runtime.precision.resolve_inference_precision`); the memory bandwidth
 and core count stay the bigger machine's, so speeds are an AVX2 CPU's only roughly.
 """
@@ -17,7 +19,7 @@ import torch
 from unimae.runtime.memory import cpu_model
 from unimae.runtime.precision import bf16_supported, fbgemm_supported, resolve_inference_precision
 
-AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_EMULATION = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 SPEED_FLAGS = (
     "avx2",
     "fma",
@@ -50,7 +52,7 @@ def cpu_flags() -> list[str]:
 
 def cpu_facts() -> dict:
     """What a CPU speed figure ran on: model, flags, the kernels PyTorch dispatched (``torch_cpu_capability``),
-    native bf16, the int8 kernel, what ``--precision auto`` resolves to, and the emulation variables if set."""
+    native bf16, fbgemm, what ``--precision auto`` resolves to, and the emulation variables if set."""
     cpu = torch.device("cpu")
     emulation = {name: os.environ[name] for name in AVX2_EMULATION if name in os.environ}
     return {
@@ -58,7 +60,7 @@ def cpu_facts() -> dict:
         "cpu_flags": cpu_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_native": bf16_supported(cpu),
-        "fbgemm": fbgemm_supported(cpu),
+        "fbgemm": fbgemm_supported(cpu),  # the x86 int8 / fp16 products of the decode precisions
         "auto_precision": resolve_inference_precision("auto", cpu),
         "emulation": emulation or None,
         "avx2_emulated": emulation == AVX2_EMULATION,

@@ -26,20 +26,22 @@ Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~uni
   (``torch.ao.quantization.quantize_dynamic``: int8 weights per output row, int8 activations per call, fbgemm's
   int8 products). This changes the embeddings (their dev-suite cost is not measured yet), so it is opt-in:
   ``auto`` never picks it. A separate flag was not worth it: the CLI's one ``--precision`` already names how the
-  loaded model computes, and ``int8`` keeps only the int8 weights in memory (a quarter of fp32's).
+  loaded model computes, and ``int8`` keeps the int8 weights in memory instead of fp32's (a quarter; the decode
+  steps' stacked q/k/v and gate/up add their int8 size again).
 
 What ``auto`` picks (:func:`resolve_inference_precision`): ``bf16`` where the device runs bf16 natively (CUDA with
 bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other x86 CPUs (AVX2) ``f16-decode`` (fbgemm), on other
 CPUs ``bf16-decode``; ``fp32`` on other devices. ``int8-decode`` is not picked: it rounds the activations too, a
 larger change to the generated text than 16-bit weights (its cost is in ``docs/results.md``).
 :func:`resolve_precision` (training, evaluation) keeps ``auto`` -> ``bf16`` or ``fp32``. Under
-``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` a bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks
-there what it picks on a real AVX2 CPU.
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2``
+(:data:`unimae.runtime.cpu.AVX2_EMULATION`) a bigger CPU reports AVX2 and no oneDNN bf16, so ``auto`` picks there
+what it picks on a real AVX2 CPU.
 
 Devices (:func:`resolve_device`, every ``--device``): ``auto`` is the first CUDA GPU if PyTorch sees one, else the
 CPU; ``cpu``, ``cuda`` and ``cuda:N`` name one, and a GPU that is not there is an error at once. On a GPU ``auto``
 precision is ``bf16`` from compute capability 8 on and ``fp32`` below (emulated bf16 is not chosen); the int8
-precisions run on CPUs only.
+precisions run on x86 CPUs only (fbgemm).
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 def resolve_inference_precision(precision: str, device: torch.device) -> str:
     """A precision of :data:`INFERENCE_PRECISIONS` -> what an :class:`~unimae.encoder.Encoder` runs: 'auto' ->
     'bf16' where the device runs it natively, else on a CPU 'f16-decode' with fbgemm (x86) or 'bf16-decode'
-    without, else 'fp32' (see the module docstring). The 16-bit decode and int8 values run on CPUs only."""
+    without, else 'fp32' (see the module docstring). The 16-bit decode values run on CPUs only, the int8 ones on
+    x86 CPUs (fbgemm)."""
     if precision not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision must be one of {INFERENCE_PRECISIONS}, got {precision!r}")
     if precision == "auto":
@@ -146,7 +149,7 @@ def resolve_inference_precision(precision: str, device: torch.device) -> str:
     if precision in INT8_PRECISIONS and not fbgemm_supported(device):
         raise ValueError(
             f"precision {precision!r} runs on CPUs with PyTorch's fbgemm (x86) quantized engine; this is {device} "
-            f"on torch {torch.__version__}: pass 'fp32' or 'bf16'"
+            f"on torch {torch.__version__}: pass 'bf16-decode' (CPU), 'fp32' or 'bf16'"
         )
     return precision
 
