@@ -23,11 +23,11 @@ Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~uni
   first new token is fp32's. Rows that share a step share the input's scale (a stream's tokens can depend on
   its neighbours').
 * ``int8``: ``int8-decode``, and the embedding forwards through dynamically quantized linear layers too
-  (``torch.ao.quantization.quantize_dynamic``: int8 weights per output row, int8 activations per call, fbgemm's
-  int8 products). This changes the embeddings (their dev-suite cost is not measured yet), so it is opt-in:
-  ``auto`` never picks it. A separate flag was not worth it: the CLI's one ``--precision`` already names how the
-  loaded model computes, and ``int8`` keeps the int8 weights in memory instead of fp32's (a quarter; the decode
-  steps' stacked q/k/v and gate/up add their int8 size again).
+  (``torch.ao.quantization.quantize_dynamic``: int8 weights per output row, int8 activations per call, fbgemm's int8
+  products). This changes the embeddings a lot (5-15 points lower on the SmolLM2 dev tasks measured,
+  ``docs/results.md``), so it is opt-in: ``auto`` never picks it. A separate flag was not worth it: the CLI's one
+  ``--precision`` already names how the loaded model computes, and ``int8`` keeps the int8 weights in memory instead
+  of fp32's (a quarter; the decode steps' stacked q/k/v and gate/up add their int8 size again).
 
 What ``auto`` picks (:func:`resolve_inference_precision`): ``bf16`` where the device runs bf16 natively (CUDA with
 bf16, CPUs with AVX-512 bf16 / AMX and oneDNN bf16); on other x86 CPUs (AVX2) ``f16-decode`` (fbgemm), on other
