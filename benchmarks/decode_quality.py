@@ -53,27 +53,10 @@ def passages_ids(tokenizer, count: int, length: int) -> list[list[int]]:
 def forced_log_probs(encoder, ids: list[int], prompt: int) -> torch.Tensor:
     """Log-probabilities (len(ids) - prompt, V) of the next token at each fed position: ``ids[:prompt]`` prefilled,
     then ``ids[prompt:-1]`` fed one at a time through ``encoder``'s decode steps."""
-    from unimae.generation.decoding import Decoder
-    from unimae.generation.sampling import GenerationParams
+    from unimae.generation.decoding import forced_logits
 
-    tokens = ids[prompt:]
-    decoder = Decoder(encoder.model, encoder.precision)
-    state = decoder.start(ids[:prompt], GenerationParams(max_new_tokens=len(tokens)), set())
-    seen: list[torch.Tensor] = []
-
-    def take(logits: torch.Tensor) -> int:  # records the distribution, feeds the paragraph's own next token
-        seen.append(torch.log_softmax(logits[0].float(), dim=-1))
-        state.feed = torch.tensor([[tokens[len(seen) - 1]]])
-        return tokens[len(seen) - 1]
-
-    state.take = take
-    try:
-        decoder.prefill(state)
-        while len(seen) < len(tokens):
-            decoder.step([state])
-    finally:
-        state.close()
-    return torch.stack(seen)  # (N, V)
+    logits = forced_logits(encoder.model, encoder.precision, ids[:prompt], ids[prompt:])  # (N, V)
+    return torch.log_softmax(logits, dim=-1)
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:

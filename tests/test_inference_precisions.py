@@ -23,7 +23,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 from unimae.cli import build_parser
 from unimae.encoder import Encoder
 from unimae.generation import fast_path
-from unimae.generation.decoding import Decoder, decode_tokens
+from unimae.generation.decoding import decode_tokens, forced_logits
 from unimae.generation.fast_path import _fbgemm_f16_copy, fbgemm_f16_product, half_product
 from unimae.generation.sampling import GenerationParams
 from unimae.runtime.cpu import AVX2_EMULATION
@@ -64,23 +64,7 @@ def _encoder(path, precision: str, **kwargs) -> Encoder:
 
 def _forced_logits(encoder: Encoder, ids: list[int], tokens: list[int]) -> torch.Tensor:
     """Logits (len(tokens), V) of ``encoder``'s decoder at each position, fed ``tokens`` whatever it picks."""
-    decoder = Decoder(encoder.model, encoder.precision)
-    state = decoder.start(ids, GenerationParams(max_new_tokens=len(tokens)), set())
-    seen: list[torch.Tensor] = []
-
-    def take(logits: torch.Tensor) -> int:  # records the logits and feeds the forced token
-        seen.append(logits[0].float().clone())
-        state.feed = torch.tensor([[tokens[len(seen) - 1]]])
-        return tokens[len(seen) - 1]
-
-    state.take = take
-    try:
-        decoder.prefill(state)
-        while len(seen) < len(tokens):
-            decoder.step([state])
-    finally:
-        state.close()
-    return torch.stack(seen)  # (N, V)
+    return forced_logits(encoder.model, encoder.precision, ids, tokens)
 
 
 def _greedy(encoder: Encoder, ids: list[int], new: int = NEW) -> list[int]:

@@ -283,6 +283,29 @@ def decode_tokens(
         state.close()
 
 
+def forced_logits(model, precision: str, input_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits (len(tokens), V) in fp32 of the next token at each position: ``input_ids`` prefilled, then ``tokens``
+    fed one at a time through the decode steps whatever the model would pick (teacher forcing), so a precision's
+    decode steps can be compared with fp32's on the same text."""
+    decoder = Decoder(model, precision)
+    state = decoder.start(input_ids, GenerationParams(max_new_tokens=len(tokens)), set())
+    seen: list[torch.Tensor] = []
+
+    def take(logits: torch.Tensor) -> int:  # records the logits and feeds the forced token
+        seen.append(logits[0].float().clone())
+        state.feed = torch.tensor([[tokens[len(seen) - 1]]])
+        return tokens[len(seen) - 1]
+
+    state.take = take
+    try:
+        decoder.prefill(state)
+        while len(seen) < len(tokens):
+            decoder.step([state])
+    finally:
+        state.close()
+    return torch.stack(seen)  # (N, V)
+
+
 def warm_up(model, precision: str) -> None:
     """Make what the first generation would make (oneDNN-packed bf16 weights, about the bf16 weights' size,
     0.1-1 s for a 135M model; 16-bit or int8 copies of fp32 weights), so the first request does not pay for it;

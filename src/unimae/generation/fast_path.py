@@ -97,13 +97,19 @@ def _bias(module: torch.nn.Module) -> torch.Tensor | None:
     return bias() if callable(bias) else bias  # a dynamically quantized linear's bias is a method
 
 
+def _stacked(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (sum out, in), bias (sum out,) or None) of ``group``'s plain linears stacked by output rows, detached,
+    in their own dtype."""
+    weight = torch.cat([m.weight.detach() for m in group])
+    bias = torch.cat([m.bias.detach() for m in group]) if group[0].bias is not None else None
+    return weight, bias
+
+
 def _bf16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(packed weight, bias) in bf16 of ``group``'s linears stacked by output rows, packed by oneDNN for one row."""
-    weight = torch.cat([m.weight.detach() for m in group]).to(torch.bfloat16)  # (sum out, in)
-    bias = None
-    if group[0].bias is not None:
-        bias = torch.cat([m.bias.detach() for m in group]).to(torch.bfloat16)  # (sum out,)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1), bias
+    weight, bias = _stacked(group)
+    bias = None if bias is None else bias.to(torch.bfloat16)  # (sum out,)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 1), bias
 
 
 def _int8_copy(group: tuple[torch.nn.Module, ...]) -> tuple[torch.ScriptObject]:
@@ -123,9 +129,8 @@ def _half_copy(kind: str) -> Callable:
     (sum out,) or None), stacked by output rows."""
 
     def copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight = torch.cat([m.weight.detach() for m in group]).to(_HALF_DTYPES[kind]).contiguous()
-        bias = torch.cat([m.bias.detach() for m in group]).float() if group[0].bias is not None else None
-        return weight, bias
+        weight, bias = _stacked(group)
+        return weight.to(_HALF_DTYPES[kind]).contiguous(), None if bias is None else bias.float()
 
     return copy
 
@@ -134,15 +139,15 @@ def _fbgemm_f16_copy(group: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, 
     """(fbgemm-packed fp16 weight, fp32 bias or None) of ``group``'s linears stacked by output rows. fp16 holds
     weights up to 65504 in magnitude; a layer beyond that is an error that names bf16 (no released LLM's linear
     weights come near it, so ``auto`` does not check ahead)."""
-    weight = torch.cat([m.weight.detach() for m in group]).float()  # (sum out, in)
+    weight, bias = _stacked(group)
+    weight = weight.float()  # (sum out, in)
     largest = weight.abs().max().item()
     if not largest <= torch.finfo(torch.float16).max:
         raise ValueError(
             f"a linear weight of {largest:g} does not fit fp16, which f16-decode (what --precision auto picks on "
             "this CPU) reads: pass --precision bf16-decode"
         )
-    bias = torch.cat([m.bias.detach() for m in group]).float() if group[0].bias is not None else None  # (sum out,)
-    return torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight), bias
+    return torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight), None if bias is None else bias.float()
 
 
 def fbgemm_f16_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
