@@ -7,9 +7,10 @@ import gc
 import pytest
 import torch
 from conftest import SENTENCES
+from transformers import DynamicCache
 
 from unimae.generation.decoding import Decoder, decode_tokens
-from unimae.generation.kv_cache import KVPool
+from unimae.generation.kv_cache import KVPool, with_cache
 from unimae.generation.sampling import GenerationParams
 from unimae.models import load_model
 
@@ -170,3 +171,25 @@ def test_a_generation_over_the_pools_budget_steps_beside_pooled_rows(tiny_model_
         for out, token in zip(got, decoder.step(rows), strict=True):
             out.append(token)
     assert got == expected
+
+
+def test_a_prefix_goes_into_a_free_slot_after_the_pool_grew_mid_decode(tiny_model_dirs):
+    """A pool grown by a decode step (inference mode) keeps normal tensors: a later generation that continues a
+    prefix cache (RAG's KV reuse) is copied into a free slot outside inference mode, which an inference tensor
+    refuses."""
+    model, tokenizer = _model(tiny_model_dirs)
+    decoder = Decoder(model)
+    ids = tokenizer(SENTENCES[0])["input_ids"]
+    long, done = (decoder.start(ids, GenerationParams(max_new_tokens=150), set()) for _ in range(2))
+    decoder.prefill_many([long, done])
+    done.close()  # slot 1 is free again
+    for _ in range(100):  # the pool grows 64 -> 128 positions inside a step
+        decoder.step([long])
+    assert (decoder.pool.slots, decoder.pool.capacity) == (2, 128)
+    assert not decoder.pool.keys[0].is_inference()
+    prefix = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), **with_cache(prefix))
+    state = decoder.start([*ids, 5, 6], GenerationParams(max_new_tokens=4), set(), past_key_values=prefix)
+    assert decoder.pool.owns(state.cache) and state.cache.get_seq_length() == len(ids)
+    assert decoder.prefill(state) == _alone(model, [*ids, 5, 6], 1)[0]

@@ -267,18 +267,19 @@ class KVPool:
 
     def _grow(self, slots: int, capacity: int) -> None:
         """New tensors of ``slots`` x ``capacity``, what is written copied over, the live caches rebound: layer by
-        layer, so that each layer's old storage is freed before the next layer's new one is made."""
+        layer, so that each layer's old storage is freed before the next layer's new one is made. The new tensors are
+        normal ones even when a decode step (inference mode) grows the pool: a free slot that a prefix cache is
+        later copied into outside inference mode (:func:`start_cache`) must take the write."""
         shape = (slots, self.kv_heads, capacity, self.head_dim)
         live = [(slot, ref()) for slot, (_, ref, _) in self._owners.items()]
         for layer in range(self.num_layers):
             for store in (self.keys, self.values):
-                # zeros, not empty: a masked key's value still meets a 0 weight, and 0 x NaN garbage is NaN
-                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if layer < len(store):
-                    fresh[: self.slots, :, : self.capacity].copy_(store[layer])
-                    store[layer] = fresh
-                else:
-                    store.append(fresh)
+                with torch.inference_mode(False):
+                    # zeros, not empty: a masked key's value still meets a 0 weight, and 0 x NaN garbage is NaN
+                    fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                    if layer < len(store):
+                        fresh[: self.slots, :, : self.capacity].copy_(store[layer])
+                store[layer : layer + 1] = [fresh]
             keys, values = self.keys[layer], self.values[layer]
             for slot, cache in live:
                 if cache is not None:
