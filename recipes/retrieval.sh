@@ -89,6 +89,21 @@ curve_point() {  # steps: the dev suite of the adapter at that step (texts cut t
     --output-dir "$OUT/curve" --label "step-$1" --max-length "$CURVE_MAX_LENGTH"
 }
 
+curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (labels dK-step-N: not curve rows),
+  # scored from the vectors the curve point cached; prints the per-dimension summary's path
+  local labels=("step-$1") tasks
+  tasks=$($PYTHON -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["tasks"]))' "$OUT/curve/step-$1/run.json")
+  for d in ${MRL_DIMS//,/ }; do
+    # shellcheck disable=SC2086  # tasks is a word list on purpose
+    $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks $tasks --data-dir "$DATA" \
+      --output-dir "$OUT/curve" --label "d$d-step-$1" --max-length "$CURVE_MAX_LENGTH" --dimensions "$d" >&2
+    labels+=("d$d-step-$1")
+  done
+  # shellcheck disable=SC2086
+  $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $tasks --name "dimensions-step-$1" --labels "${labels[@]}" >&2
+  echo "$OUT/curve/dimensions-step-$1.json"
+}
+
 scored_for() {  # folder: true if its run.json was evaluated for the run's adapter as it is now
   $PYTHON - "$1" "$run/adapter" <<'EOF'
 import json, sys
@@ -100,7 +115,7 @@ EOF
 }
 
 release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter
-  local dev=$OUT/retrieval-eos summary=() steps
+  local dev=$OUT/retrieval-eos summary=() steps dims=$OUT/dimensions.json
   if scored_for "$dev"; then
     summary=(--summary "$OUT/summary.json")
   else  # a sitting's end: the curve point of the adapter's step, or at least STS17 (the release test's task)
@@ -108,11 +123,12 @@ release() {  # releases/RELEASE from the run's adapter, its card from the result
     dev=$OUT/curve/step-$steps
     scored_for "$dev" || $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks STS17 \
       --data-dir "$DATA" --output-dir "$OUT/curve" --label "step-$steps" --max-length "$CURVE_MAX_LENGTH"
+    dims=$(curve_dimensions "$steps")
   fi
   $UNIMAE release --adapter "$run/adapter" --name "$RELEASE" --root "$RELEASES" --dev-results "$dev" "${summary[@]}" \
     --generation "results/generation-$SHORT/retrieval/generation.json" \
     --base-generation "results/generation-$SHORT/base-full-scorer/generation.json" --rag "$OUT/rag.json" \
-    --repetition "results/generation-$SHORT/greedy-repetition.json" --table "$OUT/dimensions.json" \
+    --repetition "results/generation-$SHORT/greedy-repetition.json" --table "$dims" \
     --table "$OUT/curve/curve.json" --train-log "$run/log.jsonl" --command "MODEL=$MODEL bash recipes/retrieval.sh"
 }
 

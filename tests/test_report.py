@@ -182,6 +182,18 @@ def test_rag_source_lists_the_benchmark_entries(root):
     assert run(root, doc) == 2
 
 
+def test_index_kinds_source_lists_a_files_entries_and_needs_the_file(root):
+    entry = {"kind": "binary", "dimensions": 640, "mb_per_million": 76.3, "scifact_ndcg10": 60.1, "rag_acc1": 0.9}
+    (root / "results" / "kinds.json").write_text(json.dumps({"a/binary/640": {**entry, "cpu_model": "AMD EPYC"}}))
+    doc = write_doc(root, "<!-- report: index-kinds\nfile: results/kinds.json\n-->")
+    assert run(root, doc) == 0
+    rows = table_of(doc)
+    assert rows[0] == "| entry | index | dimensions | MB per 1M vectors | SciFact nDCG@10 | RAG acc@1 | CPU |"
+    assert rows[1] == "| a/binary/640 | binary | 640 | 76.3 | 60.1 | 0.9 | AMD EPYC |"
+    doc = write_doc(root, "<!-- report: index-kinds\nentries: [a/binary/640]\n-->")
+    assert run(root, doc) == 2
+
+
 def test_values_in_prose_quote_a_json_path_or_a_named_tables_cell(root, capsys):
     """Inline values: a JSON path, a cell of a named table (before or after it), arithmetic with a format."""
     (root / "results" / "speed.json").write_text(json.dumps({"engine": {"tok_s": [39.06144, 63.7787]}, "cpu": "EPYC"}))

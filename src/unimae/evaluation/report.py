@@ -34,6 +34,9 @@ options. Paths are relative to the repository root. Sources:
     one row per ``<model>/<mode>`` entry (``entries: [...]`` picks and orders them; default all) with its
     models, index build time, seconds per question, retrieval acc@1 and peak RSS. ``file`` names another
     JSON of the same layout.
+``index-kinds``
+    The entries of a ``benchmarks/index_kinds.py`` JSON (``file: PATH.json``, required; ``entries`` as for
+    ``rag``): per index kind and Matryoshka size, memory per million vectors, SciFact nDCG@10, RAG acc@1.
 
 Every source also takes ``caption``, a line printed under the table, and ``name``, a word by which the
 numbers quoted in the prose of the same file refer to the table's cells (below). For example::
@@ -113,6 +116,15 @@ RAG_COLUMNS = {
     "p99_s": "p99",
     "retrieval_acc1": "retrieval acc@1",
     "peak_rss_gb": "peak RSS (GB)",
+    "cpu_model": "CPU",
+}
+# benchmarks/index_kinds.py entry key -> column header, in column order.
+INDEX_KINDS_COLUMNS = {
+    "kind": "index",
+    "dimensions": "dimensions",
+    "mb_per_million": "MB per 1M vectors",
+    "scifact_ndcg10": "SciFact nDCG@10",
+    "rag_acc1": "RAG acc@1",
     "cpu_model": "CPU",
 }
 LIST_OPTIONS = {"labels", "tasks", "exclude", "entries"}
@@ -379,13 +391,25 @@ def _generation_value(task_result: dict, metric: str) -> str:
     return f"{value * 100:.1f}" if GENERATION_METRICS[metric][1] else f"{value:.2f}"
 
 
-def _rag(marker: Marker, root: Path) -> str:
-    source = root / marker.options.get("file", RAG_FILE)
+def _entries(marker: Marker, root: Path, default_file: str | None, columns: dict[str, str]) -> str:
+    """One row per entry of a benchmark's ``{key: {field: value}}`` JSON, the ``columns`` fields shown as is."""
+    file = marker.options.get("file", default_file)
+    if file is None:
+        raise ReportError(f"{marker.where()}: this source needs 'file: PATH.json'")
+    source = root / file
     data = _load_json(source, marker)
     entries = _pick(marker.options.get("entries"), list(data), "entries", source, marker)
-    header = ["entry", *RAG_COLUMNS.values()]
-    cells = [[key, *(str(data[key].get(field, "-")) for field in RAG_COLUMNS)] for key in entries]
+    header = ["entry", *columns.values()]
+    cells = [[key, *(str(data[key].get(field, "-")) for field in columns)] for key in entries]
     return summary.markdown_table(header, cells)
+
+
+def _rag(marker: Marker, root: Path) -> str:
+    return _entries(marker, root, RAG_FILE, RAG_COLUMNS)
+
+
+def _index_kinds(marker: Marker, root: Path) -> str:
+    return _entries(marker, root, None, INDEX_KINDS_COLUMNS)
 
 
 # Sources named by a word -> (their options, their table); any other source is a summary JSON or a folder.
@@ -393,6 +417,7 @@ NAMED_SOURCES = {
     "averages": (AVERAGES_OPTIONS, _averages),
     "generation": (GENERATION_OPTIONS, _generation),
     "rag": (RAG_OPTIONS, _rag),
+    "index-kinds": (RAG_OPTIONS, _index_kinds),
 }
 
 
