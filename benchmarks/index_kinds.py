@@ -141,12 +141,12 @@ def embedded(encoder, passages, folder: Path) -> np.ndarray:
 
 def seed(folder: Path, encoder, passages, config, full: np.ndarray) -> None:
     """Write the shards and manifest that ``VectorIndex.build(encoder, passages, folder, config)`` would embed, from
-    ``full`` (N, D) unit rows: the first k coordinates re-normalised (what ``encode(dimensions=k)`` gives, up to
-    float rounding), so the build resumes them and only indexes."""
+    ``full`` (N, D) unit rows: the first k (rotated, if the adapter has a rotation) coordinates re-normalised
+    (what ``encode(dimensions=k)`` gives, up to float rounding), so the build resumes them and only indexes."""
     from unimae.embedding.vectors import finish_embeddings
     from unimae.retrieval.index import index_manifest, write_shard
 
-    vectors = finish_embeddings(full, config.dimensions, normalize=True)  # (N, k)
+    vectors = finish_embeddings(full, config.dimensions, normalize=True, rotation=encoder.rotation)  # (N, k)
     (folder / "shards").mkdir(parents=True)
     for start in range(0, len(passages), config.shard_size):
         write_shard(folder / "shards", start, vectors[start : start + config.shard_size])

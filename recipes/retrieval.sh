@@ -3,7 +3,7 @@
 # causal attention throughout, so the adapter still generates and reuses the query's KV cache in RAG; with the
 # query prompt on asymmetric sources, Matryoshka dimensions and a next-token term that keeps generation from
 # looping (docs/methods.md, "Supervised contrastive"; the choices: recipes/retrieval_choices.sh and
-# docs/results.md). Then the dev suite, the per-dimension table, the RAG benchmark, the generation suites, the
+# docs/results.md). Then the Matryoshka rotation (`unimae rotation`), the dev suite, the per-dimension table, the RAG benchmark, the generation suites, the
 # greedy-repetition check, and the release (releases/RELEASE).
 #   MODEL=gemma3-270m bash recipes/retrieval.sh
 #   MODEL=smollm2-135m bash recipes/retrieval.sh
@@ -89,15 +89,21 @@ curve_point() {  # steps: the dev suite of the adapter at that step (texts cut t
     --output-dir "$OUT/curve" --label "step-$1" --max-length "$CURVE_MAX_LENGTH"
 }
 
-curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (labels dK-step-N: not curve rows),
-  # scored from the vectors the curve point cached; prints the per-dimension summary's path
+rotate() {  # the run's adapter's Matryoshka rotation (PCA of its embeddings of its own training pairs), once
+  $PYTHON -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["embedding"].get("rotation") else 1)' \
+    "$run/adapter/unimae.json" || $UNIMAE rotation --model "$MODEL" --adapter "$run/adapter" >&2
+}
+
+curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (labels pca-dK-step-N: not curve
+  # rows), after the rotation, scored from the vectors the curve point cached; prints the summary's path
   local labels=("step-$1") tasks
   tasks=$($PYTHON -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["tasks"]))' "$OUT/curve/step-$1/run.json")
+  rotate
   for d in ${MRL_DIMS//,/ }; do
     # shellcheck disable=SC2086  # tasks is a word list on purpose
     $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks $tasks --data-dir "$DATA" \
-      --output-dir "$OUT/curve" --label "d$d-step-$1" --max-length "$CURVE_MAX_LENGTH" --dimensions "$d" >&2
-    labels+=("d$d-step-$1")
+      --output-dir "$OUT/curve" --label "pca-d$d-step-$1" --max-length "$CURVE_MAX_LENGTH" --dimensions "$d" >&2
+    labels+=("pca-d$d-step-$1")
   done
   # shellcheck disable=SC2086
   $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $tasks --name "dimensions-step-$1" --labels "${labels[@]}" >&2
@@ -182,7 +188,8 @@ if [ -n "$TASKS" ]; then
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
     --output-dir "$OUT" --label retrieval-eos
-  for dims in ${MRL_DIMS//,/ }; do  # the Matryoshka prefixes, scored from the same cached vectors
+  rotate
+  for dims in ${MRL_DIMS//,/ }; do  # the Matryoshka prefixes (after the rotation), from the same cached vectors
     # shellcheck disable=SC2086
     $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
       --output-dir "$OUT" --label "retrieval-eos-d$dims" --dimensions "$dims"

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from unimae.adapter import embedding_spec, load_with_adapter, skip_input_upcast
 from unimae.embedding.pooling import PooledInput, pool
+from unimae.embedding.rotation import load_rotation
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
 from unimae.embedding.vectors import finish_embeddings
@@ -81,6 +82,7 @@ class Encoder:
             quantize_linears(self.model)  # a LoRA adapter's own layers stay fp32
         self.padding_side = padding_side
         self.adapter_merged = False
+        self.rotation: np.ndarray | None = None  # (D, D) when the adapter has a Matryoshka rotation (spec.rotation)
 
     @property
     def embedding_precision(self) -> str:
@@ -144,6 +146,8 @@ class Encoder:
             skip_input_upcast(llm)  # every forward of an Encoder runs under autocast
         encoder = cls(llm, tokenizer, spec=spec, **kwargs)
         encoder.adapter_merged = merged
+        if spec.rotation and adapter is not None:
+            encoder.rotation = load_rotation(adapter, spec.rotation)
         return encoder
 
     def with_pooling(self, pooling: str, **pooling_options) -> Encoder:
@@ -177,7 +181,8 @@ class Encoder:
 
         ``prompt_name`` picks one of the adapter's prompts (``spec.prompts``, e.g. 'query'); ``prompt`` gives
         the text prefix itself (it wins over ``prompt_name``, as in sentence-transformers). ``dimensions``:
-        keep the first k coordinates (Matryoshka; normalised after truncation when ``normalize``).
+        keep the first k coordinates (Matryoshka; normalised after truncation when ``normalize``), of the
+        rotated vector when the adapter has a rotation (:mod:`unimae.embedding.rotation`).
         ``precision``: 'float32', or quantized by sentence-transformers' ``quantize_embeddings``: 'int8' /
         'uint8' (per-dimension ranges from ``calibration_embeddings=`` or ``ranges=`` in ``quantize_options``,
         else from these embeddings themselves), 'binary' / 'ubinary' (sign bits packed 8 per byte: D / 8 bytes).
@@ -190,7 +195,7 @@ class Encoder:
         prefix = prompt if prompt is not None else self.spec.prompt(prompt_name)
         inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length, prompt=prefix) if texts else []
         out = self.encode_inputs(inputs, batch_size, normalize=False, show_progress=show_progress)
-        out = finish_embeddings(out, dimensions, normalize, precision, **quantize_options)
+        out = finish_embeddings(out, dimensions, normalize, precision, self.rotation, **quantize_options)
         return out[0] if single else out
 
     def encode_query(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
@@ -303,7 +308,7 @@ def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> 
         return
     if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= full:
         raise ValueError(f"dimensions must be an integer from 1 to {full} (this model's size), got {dimensions!r}")
-    if dimensions < full and dimensions not in spec.matryoshka_dims:
+    if dimensions < full and dimensions not in spec.matryoshka_dims and not spec.rotation:
         trained = list(spec.matryoshka_dims) or "none"
         logger.warning(
             "dimensions=%d: this adapter was not trained to embed with %d dimensions (Matryoshka dimensions: %s)",

@@ -30,6 +30,7 @@ from unimae.adapter import (
     adapter_revision,
     write_adapter_meta,
 )
+from unimae.embedding.rotation import ROTATION_FILE, load_rotation
 from unimae.files import atomic_write_text, read_json
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     partial.mkdir(parents=True)
     save_file(weights, partial / "adapter_model.safetensors", metadata={"format": "pt"})
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
+    if meta.embedding.rotation:  # checked, then carried beside the weights
+        load_rotation(source, meta.embedding.rotation)
+        shutil.copy2(source / ROTATION_FILE, partial / ROTATION_FILE)
     release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=adapter_revision(source))
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)

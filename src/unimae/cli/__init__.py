@@ -1,4 +1,5 @@
-"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, release.
+"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, release,
+rotation.
 
 ``unimae models`` lists the offline models and the releases.
 
@@ -18,6 +19,7 @@ from unimae.cli.export import add_export_parser
 from unimae.cli.index import add_ask_parser, add_index_parser
 from unimae.cli.models import add_models_parser
 from unimae.cli.release import add_release_parser
+from unimae.cli.rotation import add_rotation_parser
 from unimae.cli.serve import add_serve_parser
 from unimae.cli.train import add_train_parser
 from unimae.generation.sampling import NonFiniteLogitsError
@@ -35,6 +37,7 @@ SUBCOMMANDS = (
     add_serve_parser,
     add_models_parser,
     add_release_parser,
+    add_rotation_parser,
 )
 
 

@@ -23,6 +23,9 @@ Two more fields describe how the adapter was trained to be used, and travel with
   prompt). ``contrastive --query-prompt`` trains with them.
 - ``matryoshka_dims``: the prefix lengths the adapter was trained to embed with on their own
   (``contrastive --matryoshka-dims``); ``Encoder.encode(dimensions=k)`` keeps the first k coordinates.
+- ``rotation``: with ``unimae rotation`` fitted, the fingerprint of a PCA rotation (stored beside the weights,
+  :mod:`unimae.embedding.rotation`): ``dimensions=k`` keeps the first k principal coordinates instead; the
+  full-size vector is unchanged.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class EmbeddingSpec:
     )
     matryoshka_dims: tuple[int, ...] = field(
         default=(), metadata={"help": "Prefix dimensions trained to embed on their own (Matryoshka); () none."}
+    )
+
+    rotation: str = field(
+        default="",
+        metadata={"help": "Fingerprint of the PCA rotation applied before a Matryoshka prefix (embedding.rotation)."},
     )
 
     def __post_init__(self):
@@ -122,6 +130,8 @@ class EmbeddingSpec:
             out["prompts"] = self.prompt_map
         if self.matryoshka_dims:
             out["matryoshka_dims"] = list(self.matryoshka_dims)
+        if self.rotation:
+            out["rotation"] = self.rotation
         return out
 
     @classmethod
@@ -136,6 +146,7 @@ class EmbeddingSpec:
             echo_template=bool(options.get("echo_template", False)),
             prompts=tuple((data.get("prompts") or {}).items()),
             matryoshka_dims=tuple(data.get("matryoshka_dims") or ()),
+            rotation=str(data.get("rotation") or ""),
         )
 
     def describe(self) -> str:
@@ -143,6 +154,7 @@ class EmbeddingSpec:
         extra = f", summary tokens {list(self.summary_ids)}" if self.summary_ids else ""
         extra += f", prompts {sorted(self.prompt_map)}" if self.prompts else ""
         extra += f", Matryoshka dimensions {list(self.matryoshka_dims)}" if self.matryoshka_dims else ""
+        extra += f", prefixes after the PCA rotation {self.rotation}" if self.rotation else ""
         return f"{self.attention} attention, {self.pooling} pooling{extra}"
 
 

@@ -17,6 +17,7 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 from unimae.embedding.spec import with_prompt
+from unimae.embedding.vectors import matryoshka_prefix
 from unimae.encoder import Encoder
 from unimae.evaluation.embedding_cache import EmbeddingCache
 
@@ -67,4 +68,5 @@ class MTEBEncoder(AbsEncoder):
         name = self.get_prompt_name(task_metadata, prompt_type) if self.model_prompts else None
         texts = with_prompt(texts, self.model_prompts[name] if name else "")  # cached under prompt + text
         vectors = self._embed(texts) if self.cache is None else self.cache.get_or_compute(texts, self._embed)
-        return vectors[:, : self.dimensions] if self.dimensions else vectors  # (N, k): cosine needs no re-norm
+        # (N, k): cosine needs no re-norm; the adapter's rotation first, if it has one
+        return matryoshka_prefix(vectors, self.dimensions, self.encoder.rotation)

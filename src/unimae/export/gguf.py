@@ -194,9 +194,9 @@ def unimae_keys(tokenizer, spec: EmbeddingSpec, extra: dict[str, str]) -> list[t
         ("embedding.rule", rule, text),
         # prompts: prepend the text of unimae.embedding.prompt.query to a retrieval query (".document" to passages)
         *((f"embedding.prompt.{name}", prompt, text) for name, prompt in spec.prompts),
-        *(
+        *(  # a rotation is not carried: llama.cpp's vectors are h_eos, whose raw prefixes were not fitted
             (("embedding.matryoshka_dims", ",".join(map(str, spec.matryoshka_dims)), text),)
-            if spec.matryoshka_dims
+            if spec.matryoshka_dims and not spec.rotation
             else ()
         ),
         *((name, str(value), text) for name, value in extra.items()),

@@ -71,7 +71,14 @@ def _prompt_lines(spec: EmbeddingSpec) -> str:
     lines = [f"- **Prompt `{name}`:** `{text!r}` (prepended to the text)" for name, text in spec.prompts]
     if spec.prompts:
         lines.append("  (sentence-transformers: `encode_query` / `encode_document`; llama.cpp: prepend it yourself)")
-    if spec.matryoshka_dims:
+    if spec.matryoshka_dims and spec.rotation:
+        dims = ", ".join(map(str, spec.matryoshka_dims))
+        lines.append(
+            f"- **Matryoshka dimensions:** {dims} and any other k, after a PCA rotation (sentence-transformers: its "
+            "Dense module rotates, `truncate_dim=k` keeps the first k; elsewhere multiply by the first k rows of "
+            "the adapter's matryoshka_rotation.safetensors, then re-normalise)"
+        )
+    elif spec.matryoshka_dims:
         dims = ", ".join(map(str, spec.matryoshka_dims))
         lines.append(f"- **Matryoshka dimensions:** {dims} (keep the first k coordinates, then re-normalise)")
     return "".join(line + "\n" for line in lines)
@@ -133,13 +140,30 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     width = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # renamed in 6.x
     pooling = models.Pooling(width(), pooling_mode=mode)
     prompts = spec.prompt_map or None  # encode_query / encode_document use the "query" / "document" prompts
-    SentenceTransformer(modules=[word, pooling], similarity_fn_name="cosine", prompts=prompts).save(str(out))
+    modules = [word, pooling, *_rotation_module(adapter, spec)]
+    SentenceTransformer(modules=modules, similarity_fn_name="cosine", prompts=prompts).save(str(out))
     shutil.rmtree(transformer_dir)
     add_legacy_pooling_keys(out, mode)
 
 
 # sentence-transformers < 5.4 (and vLLM before it learned the new format) read the pooling from these flags.
 LEGACY_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+
+
+def _rotation_module(adapter, spec: EmbeddingSpec) -> list:
+    """[a Dense layer z -> R z] for an adapter with a Matryoshka rotation (:mod:`unimae.embedding.rotation`), else []:
+    the export's vectors are then rotated (every cosine unchanged) and ``truncate_dim=k`` keeps the first k
+    principal coordinates, as unimae's ``dimensions=k`` does."""
+    if not spec.rotation:
+        return []
+    import torch
+    from sentence_transformers import models
+
+    from unimae.embedding.rotation import load_rotation
+
+    rotation = torch.from_numpy(load_rotation(adapter, spec.rotation))  # (D, D)
+    d = rotation.shape[0]
+    return [models.Dense(d, d, bias=False, activation_function=torch.nn.Identity(), init_weight=rotation)]
 
 
 def add_legacy_pooling_keys(out: Path, mode: str) -> None:

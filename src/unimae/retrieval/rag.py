@@ -154,7 +154,9 @@ class RAG:
 
     def _fit(self, vector: np.ndarray) -> np.ndarray:
         """A unit query vector (D,) -> its index-sized prefix (k,), re-normalised (unchanged at full size)."""
-        return finish_embeddings(vector[None], self.dimensions, True)[0] if self.dimensions else vector
+        if not self.dimensions:
+            return vector
+        return finish_embeddings(vector[None], self.dimensions, True, rotation=self.encoder.rotation)[0]
 
     def prompt_tail(self, query: str, hits: list[Hit]) -> list[int]:
         """Token ids that follow ``query [EOS]`` in the generation prompt."""

@@ -1,0 +1,61 @@
+"""``unimae rotation``: fit an adapter's Matryoshka rotation (PCA of its embeddings; unimae.embedding.rotation)."""
+
+from __future__ import annotations
+
+import argparse
+
+from unimae.cli.arguments import add_command
+
+
+def add_rotation_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub,
+        "rotation",
+        "Fit the PCA rotation that makes an adapter's dimensions=k prefixes keep the most variance (written into "
+        "the adapter folder; the full-size embedding is unchanged).",
+        _rotation,
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="The base model the adapter was trained on.")
+    parser.add_argument("--adapter", required=True, help="The adapter folder (a release name is refused: copy it).")
+    parser.add_argument(
+        "--data",
+        help="Pairs to embed (JSONL files, comma-separated, or a mixture file); default: the adapter's own training "
+        "data (unimae.json).",
+    )
+    parser.add_argument("--pairs-per-source", type=int, default=350, help="Pairs drawn from each source (both texts).")
+    parser.add_argument("--max-length", type=int, default=256, help="Tokens per text.")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--precision", default="auto", help="Precision of the embedding forward (auto: bf16 where native)."
+    )
+
+
+def _rotation(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from unimae.adapter import adapter_meta
+    from unimae.embedding.rotation import rotate_adapter, sample_pair_texts
+    from unimae.encoder import Encoder
+
+    folder = Path(args.adapter)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--adapter {args.adapter}: no such adapter folder")
+    data = args.data or adapter_meta(folder).training_config.get("data")
+    if not data:
+        raise ValueError(f"{folder}'s unimae.json records no training data: pass --data FILE.jsonl[,...]")
+    texts = sample_pair_texts(data, args.pairs_per_source, args.seed)
+    encoder = Encoder.from_pretrained(
+        args.model, adapter=str(folder), max_length=args.max_length, precision=args.precision
+    )
+    if len(texts) < encoder.embedding_dim:
+        raise ValueError(
+            f"{len(texts)} texts cannot fit a rotation of {encoder.embedding_dim} coordinates: raise --pairs-per-source"
+        )
+    key, kept = rotate_adapter(encoder, folder, texts, args.batch_size)
+    shares = ", ".join(f"{k}: {kept[k - 1]:.1%}" for k in (64, 128, 256) if k < len(kept))
+    print(
+        f"wrote {folder}/matryoshka_rotation.safetensors (rotation {key}, {len(texts)} texts); variance kept by "
+        f"the first k principal coordinates: {shares}"
+    )
+    return 0

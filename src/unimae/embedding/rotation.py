@@ -1,0 +1,118 @@
+"""Matryoshka prefixes by rotation: the principal axes of an adapter's embeddings, first coordinates first.
+
+An adapter's ``dimensions=k`` embedding is the first k coordinates of its vector, re-normalised. Training with
+Matryoshka losses (``contrastive --matryoshka-dims``, Kusupati et al. 2022, arXiv:2205.13147) asks the model to put
+what matters into those first coordinates; the [EOS] state of a decoder also feeds its LM head, and 80-560
+LoRA steps move it little (``docs/results.md``, the released retrievers' per-dimension tables). A rotation
+does it exactly instead: with ``R`` (D, D) the principal axes of a sample of the
+adapter's embeddings (PCA: the eigenvectors of their covariance, largest variance first; Jolliffe, *Principal
+Component Analysis*), the prefix of ``R z`` keeps the most variance any k coordinates can keep, and
+
+    dimensions=k:  z_k = normalize((R z)[:k]) = normalize(R[:k] z)          (R orthogonal)
+
+The full-size vector stays ``z`` (``h_eos``) itself: a rotation changes no cosine, so only prefixes use ``R``, and
+the exports' full-size vectors, binary codes and indexes stay those of the unrotated model. The mean is not
+subtracted when projecting (only when fitting), so that the full size and every prefix stay rotations of ``z``.
+
+``R`` is fitted by ``unimae rotation`` on texts of the adapter's own training data (both sides of the pairs,
+embedded as documents; the choice of texts is a flag), stored beside the weights as
+:data:`ROTATION_FILE` (fp32), and named in its ``EmbeddingSpec`` (``rotation``: a fingerprint of the matrix, so an
+index built with one rotation refuses another). PCA comes from numpy's SVD (no new dependency); sign and order
+of the axes are fixed so that a fit is reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+ROTATION_FILE = "matryoshka_rotation.safetensors"
+
+
+def fit_rotation(vectors: np.ndarray) -> np.ndarray:
+    """(N, D) embeddings -> R (D, D): rows the principal axes of the centred vectors, largest variance first, each
+    with its largest-magnitude coordinate positive. Needs N >= D."""
+    n, d = vectors.shape
+    if n < d:
+        raise ValueError(f"a rotation of {d} coordinates needs at least {d} embeddings to fit, got {n}")
+    centred = vectors.astype(np.float64) - vectors.mean(0, dtype=np.float64)  # (N, D)
+    _, _, axes = np.linalg.svd(centred, full_matrices=False)  # (D, D) rows by singular value, descending
+    signs = np.sign(axes[np.arange(d), np.abs(axes).argmax(1)])  # (D,)
+    return (axes * signs[:, None]).astype(np.float32)
+
+
+def fingerprint(rotation: np.ndarray) -> str:
+    """A short content hash of a rotation (what ``EmbeddingSpec.rotation`` holds)."""
+    return hashlib.sha256(np.ascontiguousarray(rotation, dtype=np.float32).tobytes()).hexdigest()[:12]
+
+
+def save_rotation(folder: str | Path, rotation: np.ndarray, info: dict[str, str] | None = None) -> str:
+    """Write ``rotation`` (D, D) as ``folder/ROTATION_FILE`` -> its fingerprint. ``info``: strings kept in the
+    file's metadata (what it was fitted on)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(folder) / ROTATION_FILE
+    partial = path.with_name(f".{path.name}.partial")
+    tensor = torch.from_numpy(np.ascontiguousarray(rotation, dtype=np.float32))
+    save_file({"rotation": tensor}, str(partial), metadata={"format": "pt", **(info or {})})
+    partial.replace(path)
+    return fingerprint(rotation)
+
+
+def load_rotation(folder: str | Path, expected: str) -> np.ndarray:
+    """The rotation of the adapter ``folder`` whose ``EmbeddingSpec.rotation`` is ``expected``; a missing,
+    unreadable or different file is an error that says how to make it again."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(folder) / ROTATION_FILE
+    again = f"fit it again: unimae rotation --adapter {folder} --data ..."
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{folder}'s unimae.json names a Matryoshka rotation but {path.name} is missing; {again}"
+        )
+    try:
+        rotation = load_file(str(path))["rotation"]
+    except (SafetensorError, KeyError, OSError) as err:
+        raise ValueError(f"{path} is not a readable rotation ({err}); {again}") from err
+    if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1] or fingerprint(rotation) != expected:
+        raise ValueError(f"{path} is not the rotation {folder}'s unimae.json names ({expected}); {again}")
+    return rotation
+
+
+def sample_pair_texts(data: str, per_source: int, seed: int = 0) -> list[str]:
+    """Both texts (query, positive) of ``per_source`` pairs drawn from each source of ``data`` (``--data`` of the
+    contrastive method: JSONL files or a mixture file), seeded; a source with fewer pairs gives all of them."""
+    import random
+
+    from unimae.data.pairs import load_pairs, parse_sources
+
+    rng = random.Random(seed)
+    texts = []
+    for source in parse_sources(data):
+        pairs = load_pairs(source.path)
+        for pair in rng.sample(pairs, min(per_source, len(pairs))):
+            texts += [pair["query"], pair["positive"]]
+    return texts
+
+
+def rotate_adapter(encoder, adapter: str | Path, texts: list[str], batch_size: int = 32) -> tuple[str, np.ndarray]:
+    """Fit the rotation of ``adapter`` (loaded as ``encoder``) on ``texts`` (embedded as documents, no prompt),
+    store it beside the weights and name it in the adapter's ``unimae.json`` -> (fingerprint, the share of the
+    variance each leading prefix keeps (D,))."""
+    import dataclasses
+
+    from unimae.adapter import adapter_meta, write_adapter_meta
+
+    vectors = encoder.encode(texts, batch_size=batch_size, show_progress=True)  # (N, D) the full, unrotated h_eos
+    rotation = fit_rotation(vectors)
+    centred = vectors - vectors.mean(0)
+    variance = ((centred @ rotation.T) ** 2).sum(0)  # (D,) per principal axis
+    info = {"texts": str(len(texts)), "max_length": str(encoder.max_length)}
+    key = save_rotation(adapter, rotation, info)
+    meta = adapter_meta(adapter)
+    write_adapter_meta(adapter, dataclasses.replace(meta, embedding=dataclasses.replace(meta.embedding, rotation=key)))
+    return key, np.cumsum(variance) / variance.sum()
