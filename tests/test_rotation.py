@@ -5,6 +5,7 @@ the rotation travels with the adapter into releases and the sentence-transformer
 import numpy as np
 import pytest
 import torch
+from conftest import post_embeddings
 from test_contrastive import _config, _records, _write
 
 from unimae.adapter import embedding_spec
@@ -74,6 +75,41 @@ def test_a_missing_or_other_rotation_is_a_clear_error(tiny_model_dirs, rotated_a
     path.unlink()
     with pytest.raises(FileNotFoundError, match="missing; fit it again"):
         Encoder.from_pretrained(str(tiny_model_dirs["llama"]), adapter=str(adapter), precision="fp32")
+    # ... and the command the errors name fits it again (the spec's stale fingerprint does not stand in its way)
+    args = ["rotation", "--adapter", str(adapter), "--max-length", "32", "--precision", "fp32"]
+    assert main([*args, "--pairs-per-source", "40"]) == 0  # --model from its unimae.json
+    assert load_rotation(adapter, embedding_spec(adapter).rotation).shape == (64, 64)
+
+
+def test_the_server_and_a_rag_index_use_the_rotation_and_full_size_indexes_ignore_it(
+    tiny_model_dirs, rotated_adapter, tmp_path
+):
+    from test_rag import PASSAGES
+
+    from unimae.retrieval.index import IndexConfig, VectorIndex
+    from unimae.retrieval.rag import RAG
+
+    adapter, before = rotated_adapter
+    enc = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), adapter=str(adapter), precision="fp32")
+    texts = ["the cat sat", "a dog ran"]
+    (cut, odd) = post_embeddings(enc, [{"input": texts, "dimensions": 4}, {"input": texts, "dimensions": 5}])
+    vectors = np.array([d["embedding"] for d in cut.json()["data"]])
+    np.testing.assert_allclose(vectors, enc.encode(texts, dimensions=4, normalize=True), atol=1e-5)
+    assert odd.status_code == 200  # with a rotation every k is a principal prefix
+    full = VectorIndex.build(before, PASSAGES, tmp_path / "full", IndexConfig())  # built before the rotation
+    assert RAG(enc, full).retrieve("where did the cat sit", k=1)
+    prefix = VectorIndex.build(enc, PASSAGES, tmp_path / "d4", IndexConfig(dimensions=4))
+    assert prefix.spec.rotation == enc.spec.rotation
+    with pytest.raises(ValueError, match="the index was built with"):
+        RAG(before, prefix)  # raw prefixes against rotated ones
+
+
+def test_a_run_started_from_a_rotated_adapter_names_no_rotation(tiny_model_dirs, rotated_adapter, tmp_path):
+    adapter, _ = rotated_adapter
+    data = _write(tmp_path / "more.jsonl", _records(12))
+    out = tmp_path / "next"
+    train(_config(tiny_model_dirs["llama"], data, out, init_lora=str(adapter), steps=1))
+    assert embedding_spec(adapter).rotation and not embedding_spec(out / "adapter").rotation
 
 
 def test_the_rotation_travels_into_a_release_and_the_sentence_transformers_export(

@@ -158,6 +158,8 @@ class Encoder:
         """A view of this encoder (same loaded model) that embeds by ``spec`` (attention rule and pooling)."""
         view = copy.copy(self)
         view.spec = spec
+        if spec.rotation != self.spec.rotation:  # the rotation was fitted on the adapter's own spec's vectors
+            view.spec, view.rotation = dataclasses.replace(spec, rotation=""), None
         return view
 
     @property
@@ -323,4 +325,7 @@ def _resolve_spec(trained: EmbeddingSpec, pooling: str, attention: str | None, k
     options = {k: kwargs.pop(k) for k in _POOLING_OPTIONS if k in kwargs}
     spec = trained if pooling == "auto" else trained.with_pooling(pooling)
     spec = dataclasses.replace(spec, **options) if options else spec
-    return dataclasses.replace(spec, attention=attention) if attention else spec
+    spec = dataclasses.replace(spec, attention=attention) if attention else spec
+    if dataclasses.replace(spec, rotation="") != dataclasses.replace(trained, rotation=""):
+        spec = dataclasses.replace(spec, rotation="")  # the rotation was fitted on the adapter's own spec's vectors
+    return spec

@@ -15,7 +15,7 @@ def add_rotation_parser(sub: argparse._SubParsersAction) -> None:
         "the adapter folder; the full-size embedding is unchanged).",
         _rotation,
     )
-    parser.add_argument("--model", default="smollm2-135m", help="The base model the adapter was trained on.")
+    parser.add_argument("--model", help="The base model the adapter was trained on (default: its unimae.json's).")
     parser.add_argument("--adapter", required=True, help="The adapter folder (a release name is refused: copy it).")
     parser.add_argument(
         "--data",
@@ -35,19 +35,21 @@ def _rotation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from unimae.adapter import adapter_meta
-    from unimae.embedding.rotation import rotate_adapter, sample_pair_texts
+    from unimae.embedding.rotation import forget_rotation, rotate_adapter, sample_pair_texts
     from unimae.encoder import Encoder
 
     folder = Path(args.adapter)
     if not folder.is_dir():
         raise FileNotFoundError(f"--adapter {args.adapter}: no such adapter folder")
-    data = args.data or adapter_meta(folder).training_config.get("data")
+    meta = adapter_meta(folder)
+    data, model = args.data or meta.training_config.get("data"), args.model or meta.base_model
     if not data:
         raise ValueError(f"{folder}'s unimae.json records no training data: pass --data FILE.jsonl[,...]")
+    if not model:
+        raise ValueError(f"{folder}'s unimae.json names no base model: pass --model")
     texts = sample_pair_texts(data, args.pairs_per_source, args.seed)
-    encoder = Encoder.from_pretrained(
-        args.model, adapter=str(folder), max_length=args.max_length, precision=args.precision
-    )
+    forget_rotation(folder)  # refitted from the unrotated vectors (a missing or damaged file is no obstacle)
+    encoder = Encoder.from_pretrained(model, adapter=str(folder), max_length=args.max_length, precision=args.precision)
     if len(texts) < encoder.embedding_dim:
         raise ValueError(
             f"{len(texts)} texts cannot fit a rotation of {encoder.embedding_dim} coordinates: raise --pairs-per-source"

@@ -11,14 +11,15 @@ Component Analysis*), the prefix of ``R z`` keeps the most variance any k coordi
     dimensions=k:  z_k = normalize((R z)[:k]) = normalize(R[:k] z)          (R orthogonal)
 
 The full-size vector stays ``z`` (``h_eos``) itself: a rotation changes no cosine, so only prefixes use ``R``, and
-the exports' full-size vectors, binary codes and indexes stay those of the unrotated model. The mean is not
+unimae's full-size vectors, binary codes and indexes, and the GGUF's vectors, stay those of the unrotated model
+(the sentence-transformers export rotates every vector: same cosines, other coordinates). The mean is not
 subtracted when projecting (only when fitting), so that the full size and every prefix stay rotations of ``z``.
 
 ``R`` is fitted by ``unimae rotation`` on texts of the adapter's own training data (both sides of the pairs,
-embedded as documents; the choice of texts is a flag), stored beside the weights as
-:data:`ROTATION_FILE` (fp32), and named in its ``EmbeddingSpec`` (``rotation``: a fingerprint of the matrix, so an
-index built with one rotation refuses another). PCA comes from numpy's SVD (no new dependency); sign and order
-of the axes are fixed so that a fit is reproducible.
+embedded as documents, i.e. with the document prompt if it has one; the choice of texts is a flag), stored
+beside the weights as :data:`ROTATION_FILE` (fp32), and named in its ``EmbeddingSpec`` (``rotation``: a
+fingerprint of the matrix, so an index of prefixes built with one rotation refuses another). PCA comes from
+numpy's SVD (no new dependency); sign and order of the axes are fixed so that a fit is reproducible.
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ def sample_pair_texts(data: str, per_source: int, seed: int = 0) -> list[str]:
     return texts
 
 
+def forget_rotation(adapter: str | Path) -> None:
+    """Drop the rotation named in ``adapter``'s ``unimae.json`` (its file stays until a new fit replaces it)."""
+    import dataclasses
+
+    from unimae.adapter import adapter_meta, write_adapter_meta
+
+    meta = adapter_meta(adapter)
+    if meta.embedding.rotation:
+        write_adapter_meta(
+            adapter, dataclasses.replace(meta, embedding=dataclasses.replace(meta.embedding, rotation=""))
+        )
+
+
 def rotate_adapter(encoder, adapter: str | Path, texts: list[str], batch_size: int = 32) -> tuple[str, np.ndarray]:
     """Fit the rotation of ``adapter`` (loaded as ``encoder``) on ``texts`` (embedded as documents, no prompt),
     store it beside the weights and name it in the adapter's ``unimae.json`` -> (fingerprint, the share of the
@@ -107,7 +121,7 @@ def rotate_adapter(encoder, adapter: str | Path, texts: list[str], batch_size: i
 
     from unimae.adapter import adapter_meta, write_adapter_meta
 
-    vectors = encoder.encode(texts, batch_size=batch_size, show_progress=True)  # (N, D) the full, unrotated h_eos
+    vectors = encoder.encode_document(texts, batch_size=batch_size, show_progress=True)  # (N, D) full size: h_eos
     rotation = fit_rotation(vectors)
     centred = vectors - vectors.mean(0)
     variance = ((centred @ rotation.T) ** 2).sum(0)  # (D,) per principal axis

@@ -112,6 +112,7 @@ class EmbeddingSpec:
         """The same attention rule with another pooling; options of the old pooling are dropped unless
         the pooling stays the same (e.g. 'summary' keeps its summary_ids)."""
         kept = {"summary_ids": self.summary_ids} if pooling == self.pooling == "summary" else {}
+        kept["rotation"] = self.rotation if pooling == self.pooling and not options else ""  # fitted on these vectors
         return dataclasses.replace(self, pooling=pooling, summary_ids=(), echo_template=False, **{**kept, **options})
 
     def build_inputs(self, tokenizer, texts: Sequence[str], max_length: int, prompt: str = "") -> list[PooledInput]:
@@ -148,6 +149,11 @@ class EmbeddingSpec:
             matryoshka_dims=tuple(data.get("matryoshka_dims") or ()),
             rotation=str(data.get("rotation") or ""),
         )
+
+    def at_size(self, dimensions: int, full: int) -> EmbeddingSpec:
+        """This spec as vectors of ``dimensions`` coordinates see it: at the full size the rotation changes nothing
+        (it applies to prefixes only), so it is dropped there."""
+        return dataclasses.replace(self, rotation="") if dimensions >= full else self
 
     def describe(self) -> str:
         """One line for model cards and error messages."""

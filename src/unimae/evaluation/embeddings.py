@@ -382,7 +382,7 @@ def evaluate_embeddings(
         "max_length": encoder.max_length,
         "precision": encoder.embedding_precision,
         **({"dimensions": dimensions} if dimensions else {}),
-        **({"rotation": encoder.spec.rotation} if dimensions and encoder.spec.rotation else {}),  # whose prefixes
+        **({"rotation": encoder.spec.rotation or None} if dimensions else {}),  # whose prefixes (None: raw)
     }
     try:
         run = evaluate_model_on_tasks(wrapped, tasks, Path(output_dir), label, meta, data_dir, batch_size, rerun)

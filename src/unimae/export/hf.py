@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from unimae.adapter import ADAPTER_META, adapter_meta, merged_model, save_merged
+from unimae.embedding.rotation import ROTATION_FILE
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write_json, writing
 from unimae.training.config import flat_values
@@ -114,6 +115,8 @@ def export_folder(model: str, adapter: str | None, out: Path, fmt: str, spec: Em
         if fmt == "hf":
             save_merged(model, adapter, partial)
             atomic_write_json(partial / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
+            if spec.rotation:  # the card tells users to multiply by it
+                shutil.copy2(Path(adapter) / ROTATION_FILE, partial / ROTATION_FILE)
         else:
             _save_sentence_transformers(model, adapter, partial, spec, max_length)
         (partial / "README.md").write_text(_model_card(model, adapter, fmt, spec))

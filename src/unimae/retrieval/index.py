@@ -171,15 +171,16 @@ def _rescored_binary_search(index, queries: np.ndarray, k: int, multiplier: int)
 def index_manifest(encoder, passages: list[tuple[str, str]], config, source: dict | None) -> dict:
     """A new build's manifest (``complete: false`` until its index is written): what embedded the passages and
     how, the passages' fingerprint and the store's ``config`` (a dataclass); the resume rules compare it."""
+    dim = config.dimensions or encoder.embedding_dim
     return {
         "format": FORMAT_VERSION,
         **(source or {}),
         "pooling": encoder.spec.pooling,
-        "embedding": encoder.spec.to_dict(),
+        "embedding": encoder.spec.at_size(dim, encoder.embedding_dim).to_dict(),  # a rotation: prefixes only
         "max_length": encoder.max_length,
         "precision": getattr(encoder, "embedding_precision", encoder.precision),
         "merged": encoder.adapter_merged,
-        "dim": config.dimensions or encoder.embedding_dim,
+        "dim": dim,
         "count": len(passages),
         "passages": passages_fingerprint(passages),
         "config": asdict(config),

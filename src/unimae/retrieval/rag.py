@@ -124,7 +124,8 @@ class RAG:
     """Question answering over a :class:`VectorIndex` with one :class:`~unimae.encoder.Encoder`."""
 
     def __init__(self, encoder, index: VectorIndex, config: RAGConfig | None = None):
-        if encoder.spec != index.spec:
+        full = encoder.embedding_dim
+        if encoder.spec.at_size(index.dim, full) != index.spec.at_size(index.dim, full):
             raise ValueError(
                 f"the index was built with {index.spec.describe()} but the encoder embeds with "
                 f"{encoder.spec.describe()}; load the encoder with the index's model and adapter"

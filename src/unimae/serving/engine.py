@@ -49,6 +49,7 @@ class Engine(Protocol):
     kind: str  # "torch" or "llama.cpp": /health reports it
     embedding_dim: int
     matryoshka_dims: tuple[int, ...]
+    rotation: np.ndarray | None  # the adapter's Matryoshka rotation (D, D): `dimensions` keeps R[:k] z; None: z[:k]
     max_length: int  # tokens per embedding input, EOS included
     context: int | None  # tokens of a prompt and its answer, when the model has a limit
     has_index: bool

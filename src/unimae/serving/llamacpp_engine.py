@@ -173,6 +173,11 @@ def check_index(model: LlamaCppModel, index: VectorIndex) -> None:
         raise ValueError(f"the index was built with {index.spec.describe()}; a GGUF model embeds with eos pooling")
     if index.dim > model.embedding_dim:
         raise ValueError(f"index dimension {index.dim} > model dimension {model.embedding_dim}")
+    if index.spec.rotation and index.dim < model.embedding_dim:
+        raise ValueError(
+            f"the index holds {index.dim} rotated coordinates (the adapter's Matryoshka rotation), which a GGUF "
+            "cannot compute: serve it with --engine torch, or index at the full size"
+        )
     built, exported = manifest.get("adapter_revision", "base"), meta.get(f"{KEY_PREFIX}adapter_revision")
     if exported is not None and built != exported:
         raise ValueError(
@@ -216,6 +221,7 @@ class LlamaCppEngine:
         self.model, self.config, self.index = model, config, index
         self.has_index = index is not None
         self.embedding_dim, self.matryoshka_dims = model.embedding_dim, model.matryoshka_dims
+        self.rotation = None  # a GGUF carries none (its export names no Matryoshka sizes for a rotated adapter)
         self.context = model.context
         self.batcher = DynamicBatcher(  # started and stopped by the app's lifespan
             self._embed_chunk,

@@ -232,14 +232,15 @@ class RAGRequest(BaseModel):
         return value
 
 
-def check_dimensions(dimensions: int | None, full: int, trained: tuple[int, ...]) -> None:
+def check_dimensions(dimensions: int | None, full: int, trained: tuple[int, ...], rotated: bool = False) -> None:
     """400 unless ``dimensions`` (the OpenAI API's field) is absent, the full size, or a prefix size from 1 to the
-    full size of a model trained with Matryoshka dimensions (``trained``: the sizes it was trained for)."""
+    full size of a model trained with Matryoshka dimensions (``trained``: the sizes it was trained for) or with a
+    Matryoshka rotation (``rotated``)."""
     if dimensions is None or dimensions == full:
         return
     if not 1 <= dimensions <= full:
         raise APIError(400, f"dimensions must be from 1 to {full}, got {dimensions}", "dimensions")
-    if not trained:
+    if not trained and not rotated:
         raise APIError(
             400,
             f"this model gives {full}-dimensional embeddings only: it was not trained for shorter ones "

@@ -57,7 +57,7 @@ class TorchEngine:
         self.has_index = index is not None
         self.context = encoder.context
         self.embedding_dim, self.max_length = encoder.embedding_dim, encoder.max_length
-        self.matryoshka_dims = encoder.spec.matryoshka_dims
+        self.matryoshka_dims, self.rotation = encoder.spec.matryoshka_dims, encoder.rotation
         self.embedding_inputs(["warm up"], None, config.on_too_long == "error")  # truncation set before threads
 
     def start(self) -> None:

@@ -219,7 +219,8 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     model, tokenizer, model_path, fingerprint = _load_base(config, precision)
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
     first_stage = config.init_adapter or config.init_lora or None
-    method = get_method(config.method)(config, Context(tokenizer, mask_id, embedding_spec(first_stage)))
+    start_spec = dataclasses.replace(embedding_spec(first_stage), rotation="")  # a rotation fits its weights only
+    method = get_method(config.method)(config, Context(tokenizer, mask_id, start_spec))
     examples = method.load_data()
     objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()

@@ -45,7 +45,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
     texts, config, engine = body.input, state.config, state.engine
     if len(texts) > config.max_inputs:
         raise APIError(400, f"{len(texts)} inputs; this server takes at most {config.max_inputs} per request", "input")
-    check_dimensions(body.dimensions, engine.embedding_dim, engine.matryoshka_dims)
+    check_dimensions(body.dimensions, engine.embedding_dim, engine.matryoshka_dims, engine.rotation is not None)
     for i, text in enumerate(texts):
         if not text.strip():
             raise APIError(400, f"input[{i}] is empty", "input")
@@ -73,6 +73,6 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
 def _render(state: ServerState, body: EmbeddingRequest, inputs: list[PooledInput], vectors: np.ndarray) -> bytes:
     """The response body as JSON bytes; ``usage`` counts the tokens embedded (after truncation, with specials)."""
     tokens = sum(len(item.ids) for item in inputs)
-    vectors = finish_embeddings(vectors, body.dimensions, normalize=True)  # (N, k) unit rows
+    vectors = finish_embeddings(vectors, body.dimensions, True, rotation=state.engine.rotation)  # (N, k) unit rows
     payload = embeddings_body(state.config.model_name, vectors, body.encoding_format, tokens)
     return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
