@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from unimae.embedding.rotation import fit_rotation, save_rotation
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write_json, read_json
 from unimae.models import grow_vocabulary, load_model, load_tokenizer
@@ -307,3 +309,27 @@ def adapter_meta(adapter: str | Path | None) -> AdapterMeta:
 def embedding_spec(adapter: str | Path | None) -> EmbeddingSpec:
     """How an adapter embeds (causal attention + eos pooling without an adapter or a recorded spec)."""
     return adapter_meta(adapter).embedding
+
+
+def forget_rotation(adapter: str | Path) -> None:
+    """Drop the rotation named in ``adapter``'s ``unimae.json`` (its file stays until a new fit replaces it)."""
+    meta = adapter_meta(adapter)
+    if meta.embedding.rotation:
+        write_adapter_meta(
+            adapter, dataclasses.replace(meta, embedding=dataclasses.replace(meta.embedding, rotation=""))
+        )
+
+
+def fit_adapter_rotation(encoder, adapter: str | Path, texts: list[str], batch_size: int = 32):
+    """Fit the Matryoshka rotation (:mod:`unimae.embedding.rotation`) of ``adapter`` (loaded as ``encoder``) on
+    ``texts`` (embedded as documents), store it beside the weights and name it in the adapter's
+    ``unimae.json`` -> (fingerprint, the share of the variance each leading prefix keeps (D,))."""
+    vectors = encoder.encode_document(texts, batch_size=batch_size, show_progress=True)  # (N, D) full size: h_eos
+    rotation = fit_rotation(vectors)
+    centred = vectors - vectors.mean(0)
+    variance = ((centred @ rotation.T) ** 2).sum(0)  # (D,) per principal axis
+    info = {"texts": str(len(texts)), "max_length": str(encoder.max_length)}
+    key = save_rotation(adapter, rotation, info)
+    meta = adapter_meta(adapter)
+    write_adapter_meta(adapter, dataclasses.replace(meta, embedding=dataclasses.replace(meta.embedding, rotation=key)))
+    return key, np.cumsum(variance) / variance.sum()

@@ -34,8 +34,8 @@ def add_rotation_parser(sub: argparse._SubParsersAction) -> None:
 def _rotation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from unimae.adapter import adapter_meta
-    from unimae.embedding.rotation import forget_rotation, rotate_adapter, sample_pair_texts
+    from unimae.adapter import adapter_meta, fit_adapter_rotation, forget_rotation
+    from unimae.data.pairs import sample_pair_texts
     from unimae.encoder import Encoder
 
     folder = Path(args.adapter)
@@ -54,7 +54,7 @@ def _rotation(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{len(texts)} texts cannot fit a rotation of {encoder.embedding_dim} coordinates: raise --pairs-per-source"
         )
-    key, kept = rotate_adapter(encoder, folder, texts, args.batch_size)
+    key, kept = fit_adapter_rotation(encoder, folder, texts, args.batch_size)
     shares = ", ".join(f"{k}: {kept[k - 1]:.1%}" for k in (64, 128, 256) if k < len(kept))
     print(
         f"wrote {folder}/matryoshka_rotation.safetensors (rotation {key}, {len(texts)} texts); variance kept by "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,3 +265,15 @@ def pair_groups(records: list[dict]) -> tuple[list[int], list[int]]:
             root = find(r["negative"]) if r["negative"] in parent else None
             negatives.append(ids[root] if root in ids else len(ids) + len(negatives))
     return rows, negatives
+
+
+def sample_pair_texts(data: str, per_source: int, seed: int = 0) -> list[str]:
+    """Both texts (query, positive) of ``per_source`` pairs drawn from each source of ``data`` (``--data`` of the
+    contrastive method: JSONL files or a mixture file), seeded; a source with fewer pairs gives all of them."""
+    rng = random.Random(seed)
+    texts = []
+    for source in parse_sources(data):
+        pairs = load_pairs(source.path)
+        for pair in rng.sample(pairs, min(per_source, len(pairs))):
+            texts += [pair["query"], pair["positive"]]
+    return texts
