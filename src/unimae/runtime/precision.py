@@ -24,7 +24,7 @@ Training and evaluation choose among :data:`PRECISIONS`; inference (:class:`~uni
   its neighbours').
 * ``int8``: ``int8-decode``, and the embedding forwards through dynamically quantized linear layers too
   (``torch.ao.quantization.quantize_dynamic``: int8 weights per output row, int8 activations per call, fbgemm's int8
-  products). This changes the embeddings a lot (every SmolLM2 dev task lower, by 5 to 25 points,
+  products). This changes the embeddings a lot (every SmolLM2 dev task lower, by several points,
   ``docs/results.md``), so it is opt-in: ``auto`` never picks it. A separate flag was not worth it: the CLI's one
   ``--precision`` already names how the loaded model computes, and ``int8`` keeps the int8 weights in memory instead
   of fp32's (a quarter; the decode steps' stacked q/k/v and gate/up add their int8 size again).
