@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from unimae.cli.arguments import add_command
+from unimae.cli.arguments import add_command, add_precision_argument
 
 
 def add_rotation_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +26,7 @@ def add_rotation_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-length", type=int, default=256, help="Tokens per text.")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--precision", default="auto", help="Precision of the embedding forward (auto: bf16 where native)."
-    )
+    add_precision_argument(parser)  # of the embedding forward that the fit reads
 
 
 def _rotation(args: argparse.Namespace) -> int:
