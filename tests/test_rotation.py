@@ -122,7 +122,11 @@ def test_the_rotation_travels_into_a_release_and_the_sentence_transformers_expor
 
     adapter, _ = rotated_adapter
     released = make_release(adapter, "tiny-release", root=tmp_path / "releases", card="card")
-    assert (released / ROTATION_FILE).read_bytes() == (adapter / ROTATION_FILE).read_bytes()
+    spec = embedding_spec(adapter)
+    assert not (released / ROTATION_FILE).exists()  # a release is its four files: R rides in the weights' metadata
+    assert np.array_equal(load_rotation(released, spec.rotation), load_rotation(adapter, spec.rotation))
+    again = make_release(released, "tiny-release", root=tmp_path / "again", card="card")  # a release made again
+    assert np.array_equal(load_rotation(again, spec.rotation), load_rotation(adapter, spec.rotation))
     tiny = str(tiny_model_dirs["llama"])
     ours = Encoder.from_pretrained(tiny, adapter=str(adapter), precision="fp32", max_length=32)
     exported = export(tiny, str(adapter), tmp_path / "st", fmt="sentence-transformers", max_length=32)

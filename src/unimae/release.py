@@ -30,7 +30,7 @@ from unimae.adapter import (
     adapter_revision,
     write_adapter_meta,
 )
-from unimae.embedding.rotation import ROTATION_FILE, load_rotation
+from unimae.embedding.rotation import load_rotation, rotation_metadata
 from unimae.files import atomic_write_text, read_json
 
 logger = logging.getLogger(__name__)
@@ -107,18 +107,25 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     partial = out.with_name(f".{name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file(weights, partial / "adapter_model.safetensors", metadata={"format": "pt"})
+    metadata = {"format": "pt"}
+    if meta.embedding.rotation:  # checked, then carried in the weights file (a release is its four files)
+        metadata.update(rotation_metadata(load_rotation(source, meta.embedding.rotation)))
+    save_file(weights, partial / "adapter_model.safetensors", metadata=metadata)
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
-    if meta.embedding.rotation:  # checked, then carried beside the weights
-        load_rotation(source, meta.embedding.rotation)
-        shutil.copy2(source / ROTATION_FILE, partial / ROTATION_FILE)
-    release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=adapter_revision(source))
+    release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=source_revision(source))
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
     return out
+
+
+def source_revision(adapter: str | Path) -> str:
+    """The revision of the trained adapter a release is made from: the adapter's own, or, for a release made again
+    from a release (bf16 -> bf16: the same weights), the one that release was made from."""
+    meta = adapter_meta(adapter)
+    return meta.release.source_revision if meta.release else adapter_revision(adapter)
 
 
 def release_meta(release: str | Path) -> AdapterMeta:

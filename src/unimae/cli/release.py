@@ -57,9 +57,10 @@ def _release(args: argparse.Namespace) -> int:
         return 0
     if not args.adapter:
         raise ValueError("--adapter is needed to write a release (or pass --card-only)")
-    from unimae.adapter import adapter_meta, adapter_revision
+    from unimae.adapter import adapter_meta
+    from unimae.release import source_revision
 
-    card = build_card(inputs, adapter_meta(args.adapter), adapter_revision(args.adapter))
+    card = build_card(inputs, adapter_meta(args.adapter), source_revision(args.adapter))
     out = make_release(args.adapter, args.name, root, card=card)
     print(f"wrote release {out}")
     return 0

@@ -17,19 +17,22 @@ subtracted when projecting (only when fitting), so that the full size and every 
 
 ``R`` is fitted by ``unimae rotation`` on texts of the adapter's own training data (both sides of the pairs,
 embedded as documents, i.e. with the document prompt if it has one; the choice of texts is a flag), stored
-beside the weights as :data:`ROTATION_FILE` (fp32), and named in its ``EmbeddingSpec`` (``rotation``: a
-fingerprint of the matrix, so an index of prefixes built with one rotation refuses another). PCA comes from
-numpy's SVD (no new dependency); sign and order of the axes are fixed so that a fit is reproducible.
+beside the weights as :data:`ROTATION_FILE` (fp32; a release keeps it, exact, in its weights file's metadata,
+:data:`ROTATION_METADATA`), and named in its ``EmbeddingSpec`` (``rotation``: a fingerprint of the matrix, so
+an index of prefixes built with one rotation refuses another). PCA comes from numpy's SVD (no new dependency);
+sign and order of the axes are fixed so that a fit is reproducible.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from pathlib import Path
 
 import numpy as np
 
 ROTATION_FILE = "matryoshka_rotation.safetensors"
+ROTATION_METADATA = "unimae.matryoshka_rotation"  # a release keeps R in its weights file's metadata instead
 
 
 def fit_rotation(vectors: np.ndarray) -> np.ndarray:
@@ -63,22 +66,44 @@ def save_rotation(folder: str | Path, rotation: np.ndarray, info: dict[str, str]
     return fingerprint(rotation)
 
 
+def rotation_metadata(rotation: np.ndarray) -> dict[str, str]:
+    """``rotation`` (D, D) as a safetensors metadata entry (base64 of little-endian fp32, exact): how a release
+    carries it inside ``adapter_model.safetensors``, its one weights file."""
+    data = np.ascontiguousarray(rotation, dtype="<f4")
+    return {ROTATION_METADATA: f"{data.shape[0]}:{base64.b64encode(data.tobytes()).decode()}"}
+
+
+def _from_metadata(weights: Path) -> np.ndarray | None:
+    """The rotation kept in a weights file's metadata (None without one)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="numpy") as f:
+        text = (f.metadata() or {}).get(ROTATION_METADATA)
+    if text is None:
+        return None
+    size, _, data = text.partition(":")
+    return np.frombuffer(base64.b64decode(data), dtype="<f4").reshape(int(size), int(size)).astype(np.float32)
+
+
 def load_rotation(folder: str | Path, expected: str) -> np.ndarray:
-    """The rotation of the adapter ``folder`` whose ``EmbeddingSpec.rotation`` is ``expected``; a missing,
-    unreadable or different file is an error that says how to make it again."""
+    """The rotation of the adapter ``folder`` whose ``EmbeddingSpec.rotation`` is ``expected``: its
+    :data:`ROTATION_FILE`, or a release's weights-file metadata; a missing, unreadable or different one is an error
+    that says how to make it again."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    path = Path(folder) / ROTATION_FILE
+    path, weights = Path(folder) / ROTATION_FILE, Path(folder) / "adapter_model.safetensors"
     again = f"fit it again: unimae rotation --adapter {folder} --data ..."
-    if not path.is_file():
+    try:
+        rotation = load_file(str(path))["rotation"] if path.is_file() else None
+        if rotation is None and weights.is_file():
+            rotation = _from_metadata(weights)
+    except (SafetensorError, KeyError, ValueError, OSError) as err:
+        raise ValueError(f"{path} is not a readable rotation ({err}); {again}") from err
+    if rotation is None:
         raise FileNotFoundError(
             f"{folder}'s unimae.json names a Matryoshka rotation but {path.name} is missing; {again}"
         )
-    try:
-        rotation = load_file(str(path))["rotation"]
-    except (SafetensorError, KeyError, OSError) as err:
-        raise ValueError(f"{path} is not a readable rotation ({err}); {again}") from err
     if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1] or fingerprint(rotation) != expected:
         raise ValueError(f"{path} is not the rotation {folder}'s unimae.json names ({expected}); {again}")
     return rotation

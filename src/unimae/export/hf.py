@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from unimae.adapter import ADAPTER_META, adapter_meta, merged_model, save_merged
-from unimae.embedding.rotation import ROTATION_FILE
+from unimae.embedding.rotation import load_rotation, save_rotation
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write_json, writing
 from unimae.training.config import flat_values
@@ -77,7 +77,7 @@ def _prompt_lines(spec: EmbeddingSpec) -> str:
         lines.append(
             f"- **Matryoshka dimensions:** {dims} and any other k, after a PCA rotation (sentence-transformers: its "
             "Dense module rotates, `truncate_dim=k` keeps the first k; elsewhere multiply by the first k rows of "
-            "the adapter's matryoshka_rotation.safetensors, then re-normalise)"
+            "the rotation, `Encoder.rotation` in unimae, then re-normalise)"
         )
     elif spec.matryoshka_dims:
         dims = ", ".join(map(str, spec.matryoshka_dims))
@@ -116,7 +116,7 @@ def export_folder(model: str, adapter: str | None, out: Path, fmt: str, spec: Em
             save_merged(model, adapter, partial)
             atomic_write_json(partial / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
             if spec.rotation:  # the card tells users to multiply by it
-                shutil.copy2(Path(adapter) / ROTATION_FILE, partial / ROTATION_FILE)
+                save_rotation(partial, load_rotation(adapter, spec.rotation))
         else:
             _save_sentence_transformers(model, adapter, partial, spec, max_length)
         (partial / "README.md").write_text(_model_card(model, adapter, fmt, spec))
