@@ -11,9 +11,11 @@ k coordinates re-normalised) over
   question's own paragraph).
 
 Each corpus is embedded once, at the full size (float32 unit rows); every kind and size is indexed from those
-vectors (the first k coordinates re-normalised: what ``encode(dimensions=k)`` gives); memory is FAISS's bytes per
-vector (the serialized index over the vector count, x 1M for the table). Writes ``--output`` (one entry per
-setup, other entries kept) with the CPU model.
+vectors (the first k coordinates re-normalised: what ``encode(dimensions=k)`` gives). Kinds are ``unimae index``'s
+(``binary`` rescored with int8 codes on disk, its default) and ``binary-bits`` (``--kind binary --rescore bits``).
+Memory is FAISS's bytes per vector held in RAM (the serialized index over the vector count, x 1M for the table);
+``disk`` adds what search reads from disk (the int8 rescoring codes; the float shards every index keeps for
+resuming are not counted). Writes ``--output`` (one entry per setup, other entries kept) with the CPU model.
 
     python benchmarks/index_kinds.py --model gemma3-270m --adapter unimae-gemma3-270m-retriever \\
         --data-dir ../shared/data --kinds flat sq8 binary --dimensions 0 256 128
@@ -61,10 +63,16 @@ def rag_questions(count: int) -> tuple[list[tuple[str, str]], list[str], list[in
     return passages, [" ".join(passages[i][1].split()[:12]) for i in chosen], chosen
 
 
+def index_config(kind: str, dims: int | None) -> IndexConfig:
+    """``binary-bits``: the binary index rescored against its sign bits; other kinds as ``unimae index --kind``."""
+    name, _, rescore = kind.partition("-")
+    return IndexConfig(kind=name, dimensions=dims or None, **({"rescore": rescore} if rescore else {}))
+
+
 def build(encoder, passages, kind: str, dims: int | None, folder: Path):
     from unimae.retrieval.index import VectorIndex
 
-    return VectorIndex.build(encoder, passages, folder, IndexConfig(kind=kind, dimensions=dims or None))
+    return VectorIndex.build(encoder, passages, folder, index_config(kind, dims))
 
 
 def ndcg10(index, encoder, queries: dict[str, str], qrels, dims: int | None) -> float:
@@ -83,8 +91,18 @@ def acc1(index, encoder, passages, questions, chosen, dims: int | None) -> float
     return float(np.mean([h[0].id == passages[i][0] for h, i in zip(hits, chosen, strict=True)]))
 
 
-def bytes_per_vector(folder: Path, count: int) -> float:
-    return (folder / "index.faiss").stat().st_size / count
+def bytes_per_vector(folder: Path, count: int, names=("index.faiss",)) -> float:
+    return sum((folder / name).stat().st_size for name in names if (folder / name).is_file()) / count
+
+
+def memory(folder: Path, count: int) -> dict[str, float]:
+    """Bytes per vector in RAM (the FAISS index) and on disk read by search (+ int8 rescoring codes), per 1M."""
+    ram, disk = bytes_per_vector(folder, count), bytes_per_vector(folder, count, ("index.faiss", "rescore.npy"))
+    return {
+        "bytes_per_vector": round(ram, 1),
+        "mb_per_million": round(ram * 1e6 / 2**20, 1),
+        "disk_mb_per_million": round(disk * 1e6 / 2**20, 1),
+    }
 
 
 def main() -> None:
@@ -94,7 +112,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--adapter")
     parser.add_argument("--data-dir", type=Path, required=True)
-    parser.add_argument("--kinds", nargs="+", default=["flat", "sq8", "binary"])
+    parser.add_argument("--kinds", nargs="+", default=["flat", "sq8", "binary", "binary-bits"])
     parser.add_argument("--dimensions", nargs="+", type=int, default=[0], help="0: the full size.")
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--label", default="adapter")
@@ -113,7 +131,7 @@ def main() -> None:
                 start = time.perf_counter()
                 folders = {name: Path(tmp) / f"{name}-{kind}-{dims}" for name in full}
                 for name, texts in corpora.items():
-                    seed(folders[name], encoder, texts, IndexConfig(kind=kind, dimensions=dims or None), full[name])
+                    seed(folders[name], encoder, texts, index_config(kind, dims), full[name])
                 sci = build(encoder, corpus, kind, dims, folders["sci"])
                 rag = build(encoder, passages, kind, dims, folders["rag"])
                 entry = {
@@ -123,8 +141,7 @@ def main() -> None:
                     "dimensions": dims or encoder.embedding_dim,
                     "scifact_ndcg10": round(ndcg10(sci, encoder, queries, qrels, dims) * 100, 2),
                     "rag_acc1": acc1(rag, encoder, passages, questions, chosen, dims),
-                    "bytes_per_vector": round(bytes_per_vector(folders["sci"], len(corpus)), 1),
-                    "mb_per_million": round(bytes_per_vector(folders["sci"], len(corpus)) * 1e6 / 2**20, 1),
+                    **memory(folders["sci"], len(corpus)),
                     "seconds": round(time.perf_counter() - start, 1),
                     "cpu_model": cpu_model(),
                 }

@@ -202,19 +202,47 @@ def test_server_input_type_and_dimensions(tiny_model_dirs):
     assert bad_type.status_code == 400
 
 
-@pytest.mark.parametrize("kind", ["sq8", "binary"])
-def test_quantized_indexes_find_each_passage_and_say_their_size(tiny_model_dirs, tmp_path, kind):
+@pytest.mark.parametrize(("kind", "rescore"), [("sq8", "int8"), ("binary", "bits"), ("binary", "int8")])
+def test_quantized_indexes_find_each_passage(tiny_model_dirs, tmp_path, kind, rescore):
     from test_rag import PASSAGES
 
     from unimae.retrieval.index import IndexConfig, VectorIndex
 
     enc = _encoder(tiny_model_dirs["llama"])
-    VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(kind=kind, shard_size=5))
+    VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(kind=kind, shard_size=5, rescore=rescore))
     loaded = VectorIndex.load(tmp_path / "idx")
     hits = loaded.search(enc.encode([t for _, t in PASSAGES], normalize=True), k=3)
     assert [h[0].id for h in hits] == [pid for pid, _ in PASSAGES]
-    # cosine scale, best first; a vector against its own sign vector: about sqrt(2 / pi) = 0.8 for binary
+    # cosine scale, best first; a vector against its own sign vector: about sqrt(2 / pi) = 0.8 for binary's bits
     assert all(h[0].score > 0.7 and h[0].score >= h[1].score for h in hits)
+    assert (tmp_path / "idx" / "rescore.npy").is_file() == (kind == "binary" and rescore == "int8")
+
+
+def test_int8_rescored_binary_index_scores_like_the_float_one_and_checks_its_store(tiny_model_dirs, tmp_path):
+    from test_rag import PASSAGES
+
+    from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError
+
+    enc = _encoder(tiny_model_dirs["llama"])
+    flat = VectorIndex.build(enc, PASSAGES, tmp_path / "flat", IndexConfig(shard_size=5))
+    binary = VectorIndex.build(enc, PASSAGES, tmp_path / "bin", IndexConfig(kind="binary", rescore_multiplier=99))
+    assert np.load(tmp_path / "bin" / "rescore.npy", mmap_mode="r").shape == (len(PASSAGES), enc.embedding_dim)
+    queries = enc.encode_query(["where did the cat sit", "stock markets"], normalize=True)
+    # every passage is a candidate (99 x k > N): the order is the float index's, the scores its up to int8 rounding
+    want, got = flat.search(queries, k=5), VectorIndex.load(tmp_path / "bin").search(queries, k=5)
+    assert [[h.id for h in row] for row in got] == [[h.id for h in row] for row in want]
+    np.testing.assert_allclose([[h.score for h in r] for r in got], [[h.score for h in r] for r in want], atol=0.02)
+    codes = tmp_path / "bin" / "rescore.npy"
+    data = bytearray(codes.read_bytes())
+    data[-1] ^= 0xFF  # one code changed in place
+    codes.write_bytes(bytes(data))
+    with pytest.raises(VectorIndexError, match=r"rescore\.npy does not match the SHA-256"):
+        VectorIndex.load(tmp_path / "bin")
+    codes.unlink()
+    with pytest.raises(VectorIndexError, match=r"rescore\.npy is missing: .* rerun `unimae index`"):
+        VectorIndex.load(tmp_path / "bin")
+    with pytest.raises(ValueError, match="rescore must be one of"):
+        IndexConfig(kind="binary", rescore="float")
 
 
 def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_model_dirs, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from unimae.cli.arguments import add_command, add_model_arguments
 from unimae.cli.embed import utf8_argument
-from unimae.retrieval.index import INDEX_KINDS
+from unimae.retrieval.index import INDEX_KINDS, RESCORERS
 
 STORES = ("memory", "disk")
 ENGINES = ("local", "ray")
@@ -30,7 +30,14 @@ def add_index_parser(sub: argparse._SubParsersAction) -> None:
         default="flat",
         choices=INDEX_KINDS,
         help="flat = exact search; hnsw / ivf approximate; sq8 = int8 codes (1/4 the memory), binary = sign bits "
-        "(1/32), rescored with the float query.",
+        "(1/32 in RAM), candidates rescored with the float query (--rescore).",
+    )
+    parser.add_argument(
+        "--rescore",
+        default="int8",
+        choices=RESCORERS,
+        help="--kind binary: rescore the Hamming candidates with the float query against int8 codes kept on disk "
+        "(int8: D more bytes a vector on disk, near-float quality) or against their sign bits (bits).",
     )
     parser.add_argument("--dimensions", type=int, help="Index the first k coordinates (Matryoshka adapters).")
     parser.add_argument("--shard-size", type=int, default=256, help="Passages per saved shard (the resume unit).")
@@ -115,7 +122,7 @@ def _index_config(args: argparse.Namespace):
     if args.store == "memory":
         if disk:
             raise ValueError(f"--{', --'.join(disk).replace('_', '-')} set the disk store: add --store disk")
-        return IndexConfig(kind=args.kind, **common)
+        return IndexConfig(kind=args.kind, rescore=args.rescore, **common)
     if args.kind != "flat":
         raise ValueError("--kind picks the FAISS index of --store memory; --store disk is IVF-PQ with exact rerank")
     return DiskIndexConfig(**common, **disk)

@@ -123,6 +123,7 @@ INDEX_KINDS_COLUMNS = {
     "kind": "index",
     "dimensions": "dimensions",
     "mb_per_million": "MB per 1M vectors",
+    "disk_mb_per_million": "on disk, MB per 1M",
     "scifact_ndcg10": "SciFact nDCG@10",
     "rag_acc1": "RAG acc@1",
     "cpu_model": "CPU",

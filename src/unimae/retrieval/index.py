@@ -7,6 +7,8 @@ Layout of an index folder::
     shards/00000256.npy  (shard_size, D) float32 unit vectors, named by first passage, written one by one
     shards/00000256.sha256  the SHA-256 of that shard's file, written right after it
     index.faiss       the FAISS index over all shards (inner product on unit vectors = cosine)
+    rescore.faiss     binary kind, int8 rescoring: the trained 8-bit scalar quantizer (no vectors)
+    rescore.npy       binary kind, int8 rescoring: (N, D) uint8 codes, memory-mapped, read per candidate
 
 Passages are embedded as documents (the adapter's ``document`` prompt, if it has one; queries are embedded with
 its ``query`` prompt by :mod:`unimae.retrieval.rag`). ``dimensions`` builds the index over the first k coordinates
@@ -21,11 +23,21 @@ ivf      ``IndexIVFFlat``: approximate, inverted lists                        4 
 sq8      ``IndexScalarQuantizer`` QT_8bit: int8 codes, per-dimension ranges   D
          trained on the corpus (FAISS's calibration); float query against
          the decoded codes
-binary   ``IndexBinaryFlat``: sign bits (sentence-transformers'               D / 8
-         ``quantize_embeddings(..., "ubinary")``), Hamming search for
+binary   ``IndexBinaryFlat``: sign bits (sentence-transformers'               D / 8 in RAM
+         ``quantize_embeddings(..., "ubinary")``), Hamming search for         (+ D on disk)
          ``rescore_multiplier`` x k candidates, rescored with the float
-         query (sentence-transformers' ``semantic_search_faiss``)
+         query (``rescore``, below)
 =======  ===================================================================  ==============
+
+Rescoring a binary index (``IndexConfig.rescore``; the papers and libraries leave the choice open, so it is a flag):
+
+- ``int8`` (default): the candidates are rescored with the float query against their int8 codes (FAISS's 8-bit
+  scalar quantizer, ranges trained on the corpus, as the ``sq8`` kind), kept on disk in ``rescore.npy`` and
+  memory-mapped, so only the candidates' rows are read: sentence-transformers' "binary retrieval + int8
+  rescoring" recipe. RAM holds the sign bits (1/32 of float); the disk holds D more bytes a vector.
+- ``bits``: the candidates are rescored against their own sign bits (sentence-transformers'
+  ``semantic_search_faiss``): nothing more on disk, lower quality (measured in docs/results.md). Indexes built
+  before this option are read this way.
 
 Every file is written to a temporary name and renamed into place, so a killed ``unimae index`` leaves
 finished shards and no half-written file; running it again resumes at the first missing shard. An
@@ -58,6 +70,8 @@ from unimae.files import atomic_write, atomic_write_json, atomic_write_text, fil
 logger = logging.getLogger(__name__)
 
 INDEX_KINDS = ("flat", "hnsw", "ivf", "sq8", "binary")
+RESCORERS = ("int8", "bits")
+RESCORE_CODEC, RESCORE_CODES = "rescore.faiss", "rescore.npy"
 FORMAT_VERSION = 1
 
 
@@ -83,6 +97,10 @@ class IndexConfig:
     rescore_multiplier: int = field(
         default=4, metadata={"help": "binary: candidates per result found by Hamming distance, then rescored."}
     )
+    rescore: str = field(
+        default="int8",
+        metadata={"help": "binary: rescore the candidates against int8 codes on disk (int8) or their sign bits (bits)."},
+    )
 
     def __post_init__(self):
         if self.kind not in INDEX_KINDS:
@@ -91,6 +109,8 @@ class IndexConfig:
             raise ValueError("shard_size, batch_size and rescore_multiplier must be >= 1")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+        if self.rescore not in RESCORERS:
+            raise ValueError(f"rescore must be one of {RESCORERS}, got {self.rescore!r}")
 
 
 @dataclass
@@ -144,6 +164,59 @@ def _build_faiss(vectors: np.ndarray, config: IndexConfig):
 def _binary_codes(vectors: np.ndarray) -> np.ndarray:
     """(N, D) float -> (N, ceil(D / 8)) uint8 sign bits, by sentence-transformers' ``quantize_embeddings``."""
     return finish_embeddings(vectors, None, False, "ubinary")
+
+
+def _int8_rescored(manifest: dict) -> bool:
+    """Whether an index rescores binary candidates with int8 codes on disk (indexes from before the option: no)."""
+    config = manifest.get("config", {})
+    return config.get("kind") == "binary" and config.get("rescore", "bits") == "int8"
+
+
+def _write_rescore_store(directory: Path, vectors: np.ndarray) -> None:
+    """vectors (N, D) float unit rows -> ``rescore.faiss`` (FAISS's 8-bit scalar quantizer, per-dimension ranges
+    trained on them, holding no vectors) and ``rescore.npy`` (N, D) uint8: its codes of every row."""
+    faiss = _faiss()
+    codec = faiss.IndexScalarQuantizer(vectors.shape[1], faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+    codec.train(vectors)
+    codes = codec.sa_encode(vectors)  # (N, D) uint8
+    atomic_write(directory / RESCORE_CODEC, lambda tmp: faiss.write_index(codec, str(tmp)))
+    atomic_write(directory / RESCORE_CODES, lambda tmp: _save_npy(tmp, codes))
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as handle:  # a file object: np.save would add ".npy" to the temporary name
+        np.save(handle, array)
+
+
+def _read_rescore_store(directory: Path, count: int) -> tuple:
+    """(codec, codes (N, D) uint8 memory-mapped) of an int8-rescored binary index; VectorIndexError if unreadable."""
+    try:
+        codec = _faiss().read_index(str(directory / RESCORE_CODEC))
+        codes = np.load(directory / RESCORE_CODES, mmap_mode="r")
+    except (OSError, RuntimeError, ValueError) as err:
+        raise VectorIndexError(f"{directory}: the binary index's int8 rescoring store cannot be read ({err}); "
+                               "rerun `unimae index` with the same arguments to rebuild it from its shards") from err
+    if codes.shape != (count, codec.d) or codes.dtype != np.uint8:
+        raise VectorIndexError(f"{directory / RESCORE_CODES} holds {codes.shape} {codes.dtype} codes, not ({count}, "
+                               f"{codec.d}) uint8; rerun `unimae index` with the same arguments to rebuild it")
+    return codec, codes
+
+
+def _int8_rescored_search(index, store: tuple, queries: np.ndarray, k: int, multiplier: int):
+    """queries (Q, D) float unit rows -> (scores, ids) (Q, k): the Hamming top ``multiplier`` x k of the sign bits,
+    rescored by the float query against the candidates' int8 codes (decoded by the corpus-trained quantizer);
+    scores are cosines up to the int8 rounding."""
+    codec, codes = store
+    candidates = min(k * multiplier, index.ntotal)
+    _, ids = index.search(_binary_codes(queries), candidates)  # (Q, C), -1 past the corpus
+    safe = np.where(ids >= 0, ids, 0)
+    rows = np.sort(np.unique(safe))  # read each candidate's row once, in file order
+    decoded = codec.sa_decode(np.ascontiguousarray(codes[rows]))  # (R, D)
+    position = np.searchsorted(rows, safe)  # (Q, C) row of each candidate in ``decoded``
+    scores = np.einsum("qd,qcd->qc", queries, decoded[position]).astype(np.float32)  # (Q, C)
+    scores[ids < 0] = -np.inf
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # (Q, k)
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
 
 
 def _rescored_binary_search(index, queries: np.ndarray, k: int, multiplier: int) -> tuple[np.ndarray, np.ndarray]:
@@ -204,6 +277,7 @@ class VectorIndex:
 
     def __init__(self, directory: Path, manifest: dict, passages: list[tuple[str, str]], index):
         self.directory, self.manifest, self.passages, self.index = directory, manifest, passages, index
+        self.rescore_store = _read_rescore_store(directory, len(passages)) if _int8_rescored(manifest) else None
 
     def __len__(self) -> int:
         return len(self.passages)
@@ -242,8 +316,11 @@ class VectorIndex:
         faiss = _faiss()
         write = faiss.write_index_binary if config.kind == "binary" else faiss.write_index
         atomic_write(directory / "index.faiss", lambda tmp: write(index, str(tmp)))
+        stored = [RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else []
+        if stored:
+            _write_rescore_store(directory, vectors)
         manifest["sha256"] = {
-            "index.faiss": file_sha256(directory / "index.faiss"),
+            **{name: file_sha256(directory / name) for name in ["index.faiss", *stored]},
             "shards": _shard_hashes(shards, range(0, len(passages), config.shard_size)),
         }
         manifest["complete"] = True
@@ -296,7 +373,10 @@ class VectorIndex:
         k = min(k, len(self.passages))
         if self.kind == "binary":
             multiplier = self.manifest["config"].get("rescore_multiplier", 4)
-            scores, ids = _rescored_binary_search(self.index, queries, k, multiplier)  # (Q, k) each
+            if self.rescore_store is not None:
+                scores, ids = _int8_rescored_search(self.index, self.rescore_store, queries, k, multiplier)
+            else:
+                scores, ids = _rescored_binary_search(self.index, queries, k, multiplier)  # (Q, k) each
         else:
             scores, ids = self.index.search(queries, k)  # (Q, k) each
         return [
@@ -306,8 +386,8 @@ class VectorIndex:
 
 
 def _check_integrity(directory: Path, manifest: dict, passages: list[tuple[str, str]]) -> None:
-    """VectorIndexError unless ``index.faiss`` matches its recorded SHA-256 and the passages their fingerprint
-    (a manifest older than the hashes: a warning, ``index.faiss`` unchecked)."""
+    """VectorIndexError unless ``index.faiss`` (and an int8-rescored binary index's store) match their recorded
+    SHA-256 and the passages their fingerprint (a manifest older than the hashes: a warning, nothing checked)."""
     if manifest.get("passages") not in (None, passages_fingerprint(passages)):
         raise VectorIndexError(
             f"{directory / 'passages.jsonl'} is not the file this index was built from (its fingerprint differs from "
@@ -320,11 +400,14 @@ def _check_integrity(directory: Path, manifest: dict, passages: list[tuple[str, 
             "with the same arguments to record them",
             directory,
         )
-    elif file_sha256(directory / "index.faiss") != recorded:
-        raise VectorIndexError(
-            f"{directory / 'index.faiss'} does not match the SHA-256 in manifest.json: it was changed or damaged "
-            "after the index was built; rerun `unimae index` with the same arguments to rebuild it from its shards"
-        )
+    for name in ["index.faiss", *([RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else [])]:
+        path = directory / name
+        if recorded is not None and (not path.is_file() or file_sha256(path) != manifest["sha256"].get(name)):
+            raise VectorIndexError(
+                f"{path} {'does not match the SHA-256 in manifest.json' if path.is_file() else 'is missing'}: it was "
+                "changed or damaged after the index was built; rerun `unimae index` with the same arguments to rebuild "
+                "it from its shards"
+            )
 
 
 def _check_dimension(directory: Path, manifest: dict, index) -> None:
