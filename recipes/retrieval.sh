@@ -10,7 +10,9 @@
 # Budget: SUP_STEPS steps of SUP_BATCH pairs (default 560 x 256: every one of the ~149k pairs seen about once),
 # evaluated every CURVE_EVERY steps (dev suite with texts cut to CURVE_MAX_LENGTH tokens: results/retrieval-
 # <short>/curve/curve.json); with STOP_EARLY=1 the run stops when the dev average did not rise over the last
-# CURVE_EVERY steps. On 2 CPU cores about 67 s (SmolLM2) / 92 s (Gemma) a step: many sittings.
+# CURVE_EVERY steps, and the final stage takes the better adapter, the release of the point before (it keeps the
+# later one in $run/adapter-step-N and notes the stop in $run/stopped-early.json, so a later sitting does not train
+# on). On 2 CPU cores about 67 s (SmolLM2) / 92 s (Gemma) a step: many sittings.
 # Sittings: every stage resumes (recipes/train_run.sh) and finished evaluations are skipped. On a fresh machine,
 # where the run's checkpoints are gone, the supervised stage continues from the release it left
 # (`unimae train --continue-adapter releases/RELEASE`: the same LoRA and data order, Adam restarted). To end a
@@ -152,7 +154,27 @@ print(found[0] if found else 0)
 EOF
 }
 
-# The supervised stage, CURVE_EVERY steps at a time, with a dev-suite point after each.
+released_steps() {  # the steps the release holds ('' without one)
+  [ -f "$RELEASES/$RELEASE/unimae.json" ] || return 0
+  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$RELEASES/$RELEASE/unimae.json"
+}
+
+restore_best() {  # best last: the dev average fell from step best to step last; the release holds step best
+  local released
+  released=$(released_steps)
+  if [ "$released" != "$1" ]; then
+    echo "retrieval.sh: the release holds step ${released:-none}, not step $1: the final stage takes step $2's adapter"
+    return 0
+  fi
+  rm -rf "$run/adapter-step-$2"
+  mv "$run/adapter" "$run/adapter-step-$2"
+  mkdir -p "$run/adapter"
+  cp "$RELEASES/$RELEASE"/{adapter_model.safetensors,adapter_config.json,unimae.json} "$run/adapter/"
+  printf '{"best": %s, "stopped_at": %s, "adapter": "the release of step %s"}\n' "$1" "$2" "$1" >"$run/stopped-early.json"
+  echo "retrieval.sh: the final stage takes step $1's adapter (the release); step $2's is in $run/adapter-step-$2"
+}
+
+supervised_stage() {  # CURVE_EVERY steps at a time, with a dev-suite point after each
 previous=""
 held=$(steps_held)
 for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVERY )); do
@@ -178,10 +200,21 @@ sys.exit(0 if rows[sys.argv[3]]["average"] > rows[sys.argv[2]]["average"] else 1
 EOF
   then
     echo "retrieval.sh: the dev average did not rise from $previous to step-$steps: the stage stops here"
+    restore_best "${previous#step-}" "$steps"
     break
   fi
   previous=step-$steps
+  if [ "$STOP_EARLY" = 1 ] && [ "$(adapter_steps)" = "$steps" ] && [ "$(released_steps)" != "$steps" ]; then
+    release  # the best point so far becomes the release (a sitting may end at any time)
+  fi
 done
+}
+
+if [ -f "$run/stopped-early.json" ]; then
+  echo "retrieval.sh: the supervised stage stopped early ($(cat "$run/stopped-early.json")); on to the final stage"
+else
+  supervised_stage
+fi
 
 final=$run/adapter
 if [ -n "$TASKS" ]; then
@@ -201,7 +234,7 @@ if [ -n "$TASKS" ]; then
   $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
     "unimae-eos=$DEV/unimae-eos" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
   $PYTHON benchmarks/index_kinds.py --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
-    --kinds flat sq8 binary --dimensions 0 256 128 --output "$OUT/index-kinds.json"
+    --kinds flat sq8 binary binary-bits --dimensions 0 256 128 64 --label retrieval-eos --output "$OUT/index-kinds.json"
 fi
 if [ "$RAG_QUESTIONS" -gt 0 ]; then
   $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$final" --skip-server \
