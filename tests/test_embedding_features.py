@@ -230,6 +230,7 @@ def test_int8_rescored_binary_index_scores_like_the_float_one_and_checks_its_sto
     queries = enc.encode_query(["where did the cat sit", "stock markets"], normalize=True)
     # every passage is a candidate (99 x k > N): the order is the float index's, the scores its up to int8 rounding
     want, got = flat.search(queries, k=5), VectorIndex.load(tmp_path / "bin").search(queries, k=5)
+    assert [[h.id for h in row] for row in binary.search(queries, k=5)] == [[h.id for h in row] for row in got]
     assert [[h.id for h in row] for row in got] == [[h.id for h in row] for row in want]
     np.testing.assert_allclose([[h.score for h in r] for r in got], [[h.score for h in r] for r in want], atol=0.02)
     codes = tmp_path / "bin" / "rescore.npy"

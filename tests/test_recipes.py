@@ -48,7 +48,7 @@ def _retrieval_calls(tmp_path: Path, env: dict, release_steps: int | None = None
     calls, cli, data, runs = tmp_path / "calls", tmp_path / "fake-unimae", tmp_path / "data", tmp_path / "runs"
     cli.write_text(f"#!/bin/sh\nprintf '%s' \"$*\" | tr '\\n' ' ' >> {calls}\necho >> {calls}\n")  # one line a call
     cli.chmod(0o755)
-    (data / "train").mkdir(parents=True)
+    (data / "train").mkdir(parents=True, exist_ok=True)
     for name in ("a.jsonl", "b.jsonl"):
         (data / "train" / name).write_text("")
     releases = tmp_path / "releases"
@@ -104,3 +104,75 @@ def test_retrieval_recipe_continues_from_the_release_on_a_fresh_machine(tmp_path
     assert trains[0].startswith(f"train --continue-adapter {tmp_path / 'releases' / 'r'} --output-dir")
     assert [line.split("--steps ")[1].split()[0] for line in trains] == ["160", "200"]  # 80 was held already
     assert not any(f"--output-dir {tmp_path / 'runs' / 'unimae'}" in line for line in trains)  # the start is in it
+
+
+FAKE_CLI = r'''#!{python}
+"""A stand-in for `unimae` that leaves the files recipes/retrieval.sh reads: adapters that hold their step, one
+checkpoint, run.json of an evaluation (with the adapter's revision), the curve with the averages it is given."""
+import hashlib, json, os, shutil, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open({calls!r}, "a") as log:
+    log.write(" ".join(args).replace("\n", " ") + "\n")
+opt = lambda name: args[args.index(name) + 1] if name in args else None  # noqa: E731
+revision = lambda a: hashlib.sha256(Path(a, "adapter_model.safetensors").read_bytes()).hexdigest()[:12]  # noqa
+if args[0] == "train":
+    run, steps = Path(opt("--output-dir")), int(opt("--steps") or 0)
+    (run / "adapter").mkdir(parents=True, exist_ok=True)
+    (run / "adapter" / "unimae.json").write_text(json.dumps({{"trained_steps": steps, "embedding": {{}}}}))
+    (run / "adapter" / "adapter_config.json").write_text("{{}}")
+    (run / "adapter" / "adapter_model.safetensors").write_text(f"weights of step {{steps}}")
+    (run / "checkpoints" / f"step-{{steps:06d}}").mkdir(parents=True, exist_ok=True)
+elif args[:2] == ["evaluate", "embeddings"]:
+    folder = Path(opt("--output-dir")) / opt("--label")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "run.json").write_text(json.dumps({{"tasks": ["STS17"], "revision": revision(opt("--adapter"))}}))
+elif args[:2] == ["evaluate", "summary"] and opt("--name") == "curve":
+    averages = json.loads(os.environ["FAKE_AVERAGES"])
+    labels = args[args.index("--labels") + 1 :]
+    rows = {{label: {{"average": averages[label]}} for label in labels}}
+    Path(opt("--output-dir"), "curve.json").write_text(json.dumps(rows))
+elif args[0] == "rotation":
+    spec = Path(opt("--adapter"), "unimae.json")
+    spec.write_text(json.dumps({{**json.loads(spec.read_text()), "embedding": {{"rotation": "r0"}}}}))
+elif args[0] == "release":
+    target = Path(opt("--root")) / opt("--name")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json", "unimae.json"):
+        shutil.copy(Path(opt("--adapter")) / name, target / name)
+'''
+
+
+def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_release(tmp_path):
+    """STOP_EARLY: each point that rose becomes the release; when the average falls (step 240 below 160), the
+    final stage evaluates and releases step 160's adapter (the release's), keeps 240's aside, and a later sitting
+    trains no further."""
+    import json
+    import sys
+
+    calls, cli, python = tmp_path / "calls", tmp_path / "fake-unimae-files", tmp_path / "python"
+    cli.write_text(FAKE_CLI.format(python=sys.executable, calls=str(calls)))
+    skip_benchmarks = f'case "$1" in benchmarks/*) echo "$*" >> {calls}; exit 0;; esac'
+    python.write_text(f'#!/bin/sh\n{skip_benchmarks}\nexec {ROOT}/.venv/bin/python "$@"\n')
+    for tool in (cli, python):
+        tool.chmod(0o755)
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0}
+    env = {"TASKS": "STS17", "SUP_STEPS": "400", "PYTHON": str(python), "FAKE_AVERAGES": json.dumps(averages)}
+    lines = _retrieval_calls(tmp_path, {**env, "UNIMAE": str(cli)})
+    trains = [line for line in lines if line.startswith("train") and "--steps" in line]  # the supervised stage
+    # not 320: the average fell at 240
+    assert [line.split("--steps ")[1].split()[0] for line in trains] == ["80", "160", "240"]
+    releases = [i for i, line in enumerate(lines) if line.startswith("release")]
+    trained = [i for i, line in enumerate(lines) if line.startswith("train") and "--steps" in line]
+    assert len(releases) == 3 and trained[1] < releases[1] < trained[2]  # at 80, at 160 (rose), at the end
+    run, release = tmp_path / "runs" / "retriever", tmp_path / "releases" / "r"
+    assert (run / "adapter" / "adapter_model.safetensors").read_text() == "weights of step 160"
+    assert (run / "adapter-step-240" / "adapter_model.safetensors").read_text() == "weights of step 240"
+    assert (release / "adapter_model.safetensors").read_text() == "weights of step 160"
+    final = [line for line in lines if "--label retrieval-eos " in line + " "]
+    assert final and all(f"--adapter {run / 'adapter'}" in line for line in final)
+    assert json.loads((run / "stopped-early.json").read_text())["best"] == 160
+    calls.write_text("")
+    again = _retrieval_calls(tmp_path, {**env, "UNIMAE": str(cli)})  # a later sitting: no more training
+    assert not any(line.startswith("train") for line in again) and again[-1].startswith("release")

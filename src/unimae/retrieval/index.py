@@ -99,7 +99,9 @@ class IndexConfig:
     )
     rescore: str = field(
         default="int8",
-        metadata={"help": "binary: rescore the candidates against int8 codes on disk (int8) or their sign bits (bits)."},
+        metadata={
+            "help": "binary: rescore the candidates against int8 codes on disk (int8) or their sign bits (bits)."
+        },
     )
 
     def __post_init__(self):
@@ -194,11 +196,15 @@ def _read_rescore_store(directory: Path, count: int) -> tuple:
         codec = _faiss().read_index(str(directory / RESCORE_CODEC))
         codes = np.load(directory / RESCORE_CODES, mmap_mode="r")
     except (OSError, RuntimeError, ValueError) as err:
-        raise VectorIndexError(f"{directory}: the binary index's int8 rescoring store cannot be read ({err}); "
-                               "rerun `unimae index` with the same arguments to rebuild it from its shards") from err
+        raise VectorIndexError(
+            f"{directory}: the binary index's int8 rescoring store cannot be read ({err}); "
+            "rerun `unimae index` with the same arguments to rebuild it from its shards"
+        ) from err
     if codes.shape != (count, codec.d) or codes.dtype != np.uint8:
-        raise VectorIndexError(f"{directory / RESCORE_CODES} holds {codes.shape} {codes.dtype} codes, not ({count}, "
-                               f"{codec.d}) uint8; rerun `unimae index` with the same arguments to rebuild it")
+        raise VectorIndexError(
+            f"{directory / RESCORE_CODES} holds {codes.shape} {codes.dtype} codes, not ({count}, "
+            f"{codec.d}) uint8; rerun `unimae index` with the same arguments to rebuild it"
+        )
     return codec, codes
 
 
