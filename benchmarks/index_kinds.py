@@ -10,15 +10,19 @@ k coordinates re-normalised) over
   first 12 words of a seeded sample of the paragraphs), scored by retrieval acc@1 (the top hit is the
   question's own paragraph).
 
-Each corpus is embedded once, at the full size (float32 unit rows); every kind and size is indexed from those
-vectors (the first k coordinates re-normalised: what ``encode(dimensions=k)`` gives). Kinds are ``unimae index``'s
+Each corpus and its queries are embedded once, at the full size (float32 unit rows, with the adapter's document and
+query prompts); every kind and size is indexed and queried from those vectors (the first k coordinates, after the
+adapter's rotation if it has one, re-normalised: what ``encode(dimensions=k)`` and ``unimae index --dimensions k``
+give). ``--cache-dir`` reads and fills the embedding cache of an ``unimae evaluate embeddings --output-dir`` folder
+(same model, adapter and ``--max-length``; mteb's SciFact texts are the same title + text), so after the dev suite
+SciFact costs nothing. Kinds are ``unimae index``'s
 (``binary`` rescored with int8 codes on disk, its default) and ``binary-bits`` (``--kind binary --rescore bits``).
 Memory is FAISS's bytes per vector held in RAM (the serialized index over the vector count, x 1M for the table);
 ``disk`` adds what search reads from disk (the int8 rescoring codes; the float shards every index keeps for
 resuming are not counted). Writes ``--output`` (one entry per setup, other entries kept) with the CPU model.
 
     python benchmarks/index_kinds.py --model gemma3-270m --adapter unimae-gemma3-270m-retriever \\
-        --data-dir ../shared/data --kinds flat sq8 binary --dimensions 0 256 128
+        --data-dir ../shared/data --kinds flat sq8 binary binary-bits --dimensions 0 256 128
 """
 
 from __future__ import annotations
@@ -75,20 +79,31 @@ def build(encoder, passages, kind: str, dims: int | None, folder: Path):
     return VectorIndex.build(encoder, passages, folder, index_config(kind, dims))
 
 
-def ndcg10(index, encoder, queries: dict[str, str], qrels, dims: int | None) -> float:
+def ndcg10(index, query_ids: list[str], vectors: np.ndarray, qrels) -> float:
+    """nDCG@10 of the top 100 hits of each query (``vectors`` (Q, k) unit rows, in ``query_ids`` order)."""
     import pytrec_eval
 
-    ids = list(queries)
-    vectors = encoder.encode_query([queries[q] for q in ids], normalize=True, dimensions=dims or None)
-    run = {q: {h.id: h.score for h in hits} for q, hits in zip(ids, index.search(vectors, k=100), strict=True)}
+    hits = index.search(vectors, k=100)
+    run = {q: {h.id: h.score for h in found} for q, found in zip(query_ids, hits, strict=True)}
     scores = pytrec_eval.RelevanceEvaluator(qrels, {"ndcg_cut.10"}).evaluate(run)
-    return float(np.mean([scores[q]["ndcg_cut_10"] for q in ids]))
+    return float(np.mean([scores[q]["ndcg_cut_10"] for q in query_ids]))
 
 
-def acc1(index, encoder, passages, questions, chosen, dims: int | None) -> float:
-    vectors = encoder.encode_query(questions, normalize=True, dimensions=dims or None)
+def acc1(index, passages, vectors: np.ndarray, chosen) -> float:
+    """The share of questions (``vectors`` (Q, k)) whose top hit is their own passage."""
     hits = index.search(vectors, k=1)
     return float(np.mean([h[0].id == passages[i][0] for h, i in zip(hits, chosen, strict=True)]))
+
+
+def full_vectors(encoder, texts: list[str], prompt_name: str, cache) -> np.ndarray:
+    """(N, D) unit rows of ``texts`` after the adapter's ``prompt_name`` prompt ('' without one): ``encode``'s
+    path, through ``cache`` (an evaluation's embedding cache, keyed by prompt + text as mteb's evaluation keys
+    them) when given."""
+    from unimae.embedding.spec import with_prompt
+
+    prompted = with_prompt(texts, encoder.spec.prompt_map.get(prompt_name, ""))
+    raw = cache.get_or_compute(prompted, encoder.encode) if cache else encoder.encode(prompted)  # (N, D)
+    return raw / np.linalg.norm(raw, axis=1, keepdims=True)
 
 
 def bytes_per_vector(folder: Path, count: int, names=("index.faiss",)) -> float:
@@ -116,16 +131,26 @@ def main() -> None:
     parser.add_argument("--dimensions", nargs="+", type=int, default=[0], help="0: the full size.")
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--label", default="adapter")
+    parser.add_argument("--max-length", type=int, default=512, help="Tokens per text, EOS included.")
+    parser.add_argument("--cache-dir", type=Path, help="An `unimae evaluate embeddings` output folder: its cache.")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, max_length=512)
+    encoder = Encoder.from_pretrained(args.model, adapter=args.adapter, max_length=args.max_length)
+    cache = evaluation_cache(args.cache_dir, encoder, args.model, args.adapter) if args.cache_dir else None
     corpus, queries, qrels = scifact(args.data_dir)
     passages, questions, chosen = rag_questions(args.questions)
     output = args.output or ROOT / "results" / f"retrieval-{args.model.split('-')[0]}" / "index-kinds.json"
     corpora = {"sci": corpus, "rag": passages}
+    query_ids = list(queries)
     with tempfile.TemporaryDirectory() as tmp:
-        # each corpus embedded once, at the full size (unit rows); every setup is seeded from these
-        full = {name: embedded(encoder, texts, Path(tmp) / f"{name}-full") for name, texts in corpora.items()}
+        # each corpus and its queries embedded once, at the full size (unit rows); every setup is seeded from these
+        full = {
+            name: full_vectors(encoder, [t for _, t in texts], "document", cache) for name, texts in corpora.items()
+        }
+        asked = {
+            "sci": full_vectors(encoder, [queries[q] for q in query_ids], "query", cache),
+            "rag": full_vectors(encoder, questions, "query", cache),
+        }
         for dims in args.dimensions:
             for kind in args.kinds:
                 start = time.perf_counter()
@@ -139,8 +164,9 @@ def main() -> None:
                     "adapter": args.adapter,
                     "kind": kind,
                     "dimensions": dims or encoder.embedding_dim,
-                    "scifact_ndcg10": round(ndcg10(sci, encoder, queries, qrels, dims) * 100, 2),
-                    "rag_acc1": acc1(rag, encoder, passages, questions, chosen, dims),
+                    "scifact_ndcg10": round(ndcg10(sci, query_ids, cut(encoder, asked["sci"], dims), qrels) * 100, 2),
+                    "rag_acc1": acc1(rag, passages, cut(encoder, asked["rag"], dims), chosen),
+                    "max_length": args.max_length,
                     **memory(folders["sci"], len(corpus)),
                     "seconds": round(time.perf_counter() - start, 1),
                     "cpu_model": cpu_model(),
@@ -149,21 +175,31 @@ def main() -> None:
                 update_json(output, {f"{args.label}/{kind}/{entry['dimensions']}": entry})
 
 
-def embedded(encoder, passages, folder: Path) -> np.ndarray:
-    """(N, D) unit rows of ``passages``: a full-size flat build's shards, read back in order."""
-    build(encoder, passages, "flat", 0, folder)
-    shards = sorted((folder / "shards").glob("*.npy"))  # named by their first passage, zero-padded
-    return np.concatenate([np.load(shard) for shard in shards])
+def evaluation_cache(folder: Path, encoder, model: str, adapter: str | None):
+    """The embedding cache ``unimae evaluate embeddings --output-dir folder`` keeps for this encoder."""
+    from unimae.adapter import adapter_revision, model_revision
+    from unimae.evaluation.embeddings import open_embedding_cache
+    from unimae.release import resolve_adapter
+
+    return open_embedding_cache(
+        folder, encoder, model, model_revision(model), adapter_revision(resolve_adapter(adapter))
+    )
+
+
+def cut(encoder, full: np.ndarray, dims: int | None) -> np.ndarray:
+    """(N, D) full-size unit rows -> (N, k): what ``encode(..., dimensions=k, normalize=True)`` gives."""
+    from unimae.embedding.vectors import finish_embeddings
+
+    return finish_embeddings(full, dims or None, normalize=True, rotation=encoder.rotation)
 
 
 def seed(folder: Path, encoder, passages, config, full: np.ndarray) -> None:
     """Write the shards and manifest that ``VectorIndex.build(encoder, passages, folder, config)`` would embed, from
     ``full`` (N, D) unit rows: the first k (rotated, if the adapter has a rotation) coordinates re-normalised
     (what ``encode(dimensions=k)`` gives, up to float rounding), so the build resumes them and only indexes."""
-    from unimae.embedding.vectors import finish_embeddings
     from unimae.retrieval.index import index_manifest, write_shard
 
-    vectors = finish_embeddings(full, config.dimensions, normalize=True, rotation=encoder.rotation)  # (N, k)
+    vectors = cut(encoder, full, config.dimensions)  # (N, k)
     (folder / "shards").mkdir(parents=True)
     for start in range(0, len(passages), config.shard_size):
         write_shard(folder / "shards", start, vectors[start : start + config.shard_size])

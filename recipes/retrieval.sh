@@ -234,7 +234,8 @@ if [ -n "$TASKS" ]; then
   $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
     "unimae-eos=$DEV/unimae-eos" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
   $PYTHON benchmarks/index_kinds.py --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
-    --kinds flat sq8 binary binary-bits --dimensions 0 256 128 64 --label retrieval-eos --output "$OUT/index-kinds.json"
+    --kinds flat sq8 binary binary-bits --dimensions 0 256 128 64 --label retrieval-eos --cache-dir "$OUT" \
+    --output "$OUT/index-kinds.json"  # SciFact's vectors from the dev suite's cache
 fi
 if [ "$RAG_QUESTIONS" -gt 0 ]; then
   $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$final" --skip-server \

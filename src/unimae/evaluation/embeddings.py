@@ -306,7 +306,7 @@ def default_label(model: str, adapter: str | None, pooling: str) -> str:
     return f"{base}-{adapter_label(adapter) if adapter else 'base'}-{pooling}"
 
 
-def _open_cache(output_dir: Path, encoder, model: str, weights: str | None, revision: str | None):
+def open_embedding_cache(output_dir: Path, encoder, model: str, weights: str | None, revision: str | None):
     """The embedding cache of ``output_dir``, under a namespace of everything that changes ``encoder``'s vectors:
     model (and a local folder's weights), adapter weights, pooling and its options, max length, precision,
     a merged adapter, a non-causal attention rule."""
@@ -368,7 +368,7 @@ def evaluate_embeddings(
     revision = adapter_revision(adapter)
     weights = model_revision(model)  # a local model folder: retrained weights are another model
     label = label or default_label(model, adapter, pooling)
-    cache = _open_cache(Path(output_dir), encoder, model, weights, revision) if use_cache else None
+    cache = open_embedding_cache(Path(output_dir), encoder, model, weights, revision) if use_cache else None
     wrapped = MTEBEncoder(
         encoder, name=f"unimae/{label}", revision=revision, cache=cache, batch_size=batch_size, dimensions=dimensions
     )
