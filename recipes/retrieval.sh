@@ -10,9 +10,11 @@
 # Budget: SUP_STEPS steps of SUP_BATCH pairs (default 560 x 256: every one of the ~149k pairs seen about once),
 # evaluated every CURVE_EVERY steps (dev suite with texts cut to CURVE_MAX_LENGTH tokens: results/retrieval-
 # <short>/curve/curve.json); with STOP_EARLY=1 the run stops when the dev average did not rise over the last
-# CURVE_EVERY steps, and the final stage takes the better adapter, the release of the point before (it keeps the
-# later one in $run/adapter-step-N and notes the stop in $run/stopped-early.json, so a later sitting does not train
-# on). On 2 CPU cores about 67 s (SmolLM2) / 92 s (Gemma) a step: many sittings.
+# CURVE_EVERY steps, and the final stage takes the better adapter of the point before: $run/adapter-best (kept at
+# each point that rose), else the release if it was made from that very adapter (its source revision); it keeps
+# the later adapter in $run/adapter-step-N and notes the stop in $run/stopped-early.json, so a later sitting with
+# STOP_EARLY=1 does not train on (delete the file to go on). Each point that rose is released at once (the rotation
+# fit and the per-size rows: minutes). On 2 CPU cores about 67 s (SmolLM2) / 92 s (Gemma) a step: many sittings.
 # Sittings: every stage resumes (recipes/train_run.sh) and finished evaluations are skipped. On a fresh machine,
 # where the run's checkpoints are gone, the supervised stage continues from the release it left
 # (`unimae train --continue-adapter releases/RELEASE`: the same LoRA and data order, Adam restarted). To end a
@@ -154,24 +156,51 @@ print(found[0] if found else 0)
 EOF
 }
 
-released_steps() {  # the steps the release holds ('' without one)
-  [ -f "$RELEASES/$RELEASE/unimae.json" ] || return 0
-  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$RELEASES/$RELEASE/unimae.json"
+revision_of() {  # kind path: the adapter revision an evaluation's run.json scored (scored), a folder's weights
+  # hash (folder), or the revision a release was made from (release); '' when absent
+  $PYTHON - "$1" "$2" <<'EOF'
+import json, sys
+from pathlib import Path
+kind, path = sys.argv[1], Path(sys.argv[2])
+if kind == "scored":
+    print(json.loads(path.read_text()).get("revision", "") if path.is_file() else "")
+elif kind == "folder":
+    from unimae.adapter import adapter_revision
+    print(adapter_revision(str(path)) if (path / "adapter_model.safetensors").is_file() else "")
+else:
+    meta = json.loads((path / "unimae.json").read_text()) if (path / "unimae.json").is_file() else {}
+    print((meta.get("release") or {}).get("source_revision", ""))
+EOF
 }
 
-restore_best() {  # best last: the dev average fell from step best to step last; the release holds step best
-  local released
-  released=$(released_steps)
-  if [ "$released" != "$1" ]; then
-    echo "retrieval.sh: the release holds step ${released:-none}, not step $1: the final stage takes step $2's adapter"
+keep_best() {  # the run's adapter, just scored and released as the best point so far -> $run/adapter-best
+  rm -rf "$run/adapter-best.tmp"
+  cp -r "$run/adapter" "$run/adapter-best.tmp"
+  rm -rf "$run/adapter-best"
+  mv "$run/adapter-best.tmp" "$run/adapter-best"
+}
+
+restore_best() {  # best last: the dev average fell from step best to step last -> the run's adapter is best's again
+  local want source=""
+  want=$(revision_of scored "$OUT/curve/step-$1/run.json")
+  if [ -n "$want" ] && [ "$(revision_of folder "$run/adapter-best")" = "$want" ]; then
+    source=$run/adapter-best
+  elif [ -n "$want" ] && [ "$(revision_of release "$RELEASES/$RELEASE")" = "$want" ]; then
+    source=$RELEASES/$RELEASE  # made from step best's adapter (its weights in bf16)
+  else
+    echo "retrieval.sh: neither $run/adapter-best nor the release is step $1's adapter: the final stage takes the run's"
     return 0
   fi
-  rm -rf "$run/adapter-step-$2"
+  rm -rf "$run/adapter.restore" "$run/adapter-step-$2"
+  mkdir -p "$run/adapter.restore"
+  cp "$source"/{adapter_model.safetensors,adapter_config.json,unimae.json} "$run/adapter.restore/"
+  if [ -f "$source/matryoshka_rotation.safetensors" ]; then
+    cp "$source/matryoshka_rotation.safetensors" "$run/adapter.restore/"
+  fi
   mv "$run/adapter" "$run/adapter-step-$2"
-  mkdir -p "$run/adapter"
-  cp "$RELEASES/$RELEASE"/{adapter_model.safetensors,adapter_config.json,unimae.json} "$run/adapter/"
-  printf '{"best": %s, "stopped_at": %s, "adapter": "the release of step %s"}\n' "$1" "$2" "$1" >"$run/stopped-early.json"
-  echo "retrieval.sh: the final stage takes step $1's adapter (the release); step $2's is in $run/adapter-step-$2"
+  mv "$run/adapter.restore" "$run/adapter"
+  printf '{"best": %s, "stopped_at": %s, "adapter": "%s"}\n' "$1" "$2" "$source" >"$run/stopped-early.json"
+  echo "retrieval.sh: the final stage takes step $1's adapter ($source); step $2's is in $run/adapter-step-$2"
 }
 
 supervised_stage() {  # CURVE_EVERY steps at a time, with a dev-suite point after each
@@ -204,13 +233,15 @@ EOF
     break
   fi
   previous=step-$steps
-  if [ "$STOP_EARLY" = 1 ] && [ "$(adapter_steps)" = "$steps" ] && [ "$(released_steps)" != "$steps" ]; then
+  if [ "$STOP_EARLY" = 1 ] && [ "$(adapter_steps)" = "$steps" ] \
+    && [ "$(revision_of release "$RELEASES/$RELEASE")" != "$(revision_of folder "$run/adapter")" ]; then
     release  # the best point so far becomes the release (a sitting may end at any time)
+    keep_best
   fi
 done
 }
 
-if [ -f "$run/stopped-early.json" ]; then
+if [ "$STOP_EARLY" = 1 ] && [ -f "$run/stopped-early.json" ]; then
   echo "retrieval.sh: the supervised stage stopped early ($(cat "$run/stopped-early.json")); on to the final stage"
 else
   supervised_stage

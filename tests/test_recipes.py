@@ -139,8 +139,11 @@ elif args[0] == "rotation":
 elif args[0] == "release":
     target = Path(opt("--root")) / opt("--name")
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("adapter_model.safetensors", "adapter_config.json", "unimae.json"):
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy(Path(opt("--adapter")) / name, target / name)
+    meta = json.loads(Path(opt("--adapter"), "unimae.json").read_text())
+    meta["release"] = {{"source_revision": revision(opt("--adapter"))}}
+    (target / "unimae.json").write_text(json.dumps(meta))
 '''
 
 
@@ -173,6 +176,7 @@ def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_
     final = [line for line in lines if "--label retrieval-eos " in line + " "]
     assert final and all(f"--adapter {run / 'adapter'}" in line for line in final)
     assert json.loads((run / "stopped-early.json").read_text())["best"] == 160
+    assert (run / "adapter-best" / "adapter_model.safetensors").read_text() == "weights of step 160"
     calls.write_text("")
     again = _retrieval_calls(tmp_path, {**env, "UNIMAE": str(cli)})  # a later sitting: no more training
     assert not any(line.startswith("train") for line in again) and again[-1].startswith("release")
