@@ -163,6 +163,7 @@ def main() -> None:
                     "model": args.model,
                     "adapter": args.adapter,
                     "kind": kind,
+                    "rescore": index_config(kind, dims).rescore if kind.startswith("binary") else "-",
                     "dimensions": dims or encoder.embedding_dim,
                     "scifact_ndcg10": round(ndcg10(sci, query_ids, cut(encoder, asked["sci"], dims), qrels) * 100, 2),
                     "rag_acc1": acc1(rag, passages, cut(encoder, asked["rag"], dims), chosen),

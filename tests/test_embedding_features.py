@@ -221,7 +221,7 @@ def test_quantized_indexes_find_each_passage(tiny_model_dirs, tmp_path, kind, re
 def test_int8_rescored_binary_index_scores_like_the_float_one_and_checks_its_store(tiny_model_dirs, tmp_path):
     from test_rag import PASSAGES
 
-    from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError
+    from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError, _int8_rescored_search
 
     enc = _encoder(tiny_model_dirs["llama"])
     flat = VectorIndex.build(enc, PASSAGES, tmp_path / "flat", IndexConfig(shard_size=5))
@@ -231,6 +231,10 @@ def test_int8_rescored_binary_index_scores_like_the_float_one_and_checks_its_sto
     # every passage is a candidate (99 x k > N): the order is the float index's, the scores its up to int8 rounding
     want, got = flat.search(queries, k=5), VectorIndex.load(tmp_path / "bin").search(queries, k=5)
     assert [[h.id for h in row] for row in binary.search(queries, k=5)] == [[h.id for h in row] for row in got]
+    one_by_one = _int8_rescored_search(binary.index, binary.rescore_store, queries, 5, 99, chunk=1)
+    np.testing.assert_array_equal(
+        one_by_one[1], _int8_rescored_search(binary.index, binary.rescore_store, queries, 5, 99)[1]
+    )
     assert [[h.id for h in row] for row in got] == [[h.id for h in row] for row in want]
     np.testing.assert_allclose([[h.score for h in r] for r in got], [[h.score for h in r] for r in want], atol=0.02)
     codes = tmp_path / "bin" / "rescore.npy"
@@ -244,6 +248,22 @@ def test_int8_rescored_binary_index_scores_like_the_float_one_and_checks_its_sto
         VectorIndex.load(tmp_path / "bin")
     with pytest.raises(ValueError, match="rescore must be one of"):
         IndexConfig(kind="binary", rescore="float")
+
+
+def test_index_cli_takes_rescore_for_a_binary_index_only():
+    import argparse
+
+    from unimae.cli.index import _index_config
+
+    def config(**given):
+        flags = {"kind": "binary", "rescore": None, "store": "memory", "shard_size": 8, "batch_size": 4}
+        flags |= {"dimensions": None, "nlist": None, "nprobe": None, "pq_m": None, "rerank": None}
+        return _index_config(argparse.Namespace(**(flags | {"target_recall": None} | given)))
+
+    assert config().rescore == "int8" and config(rescore="bits").rescore == "bits"
+    for refused in ({"kind": "flat", "rescore": "bits"}, {"kind": "flat", "store": "disk", "rescore": "int8"}):
+        with pytest.raises(ValueError, match="rescore|--kind"):
+            config(**refused)
 
 
 def test_rag_embeds_queries_with_the_query_prompt_at_the_index_dimensions(tiny_model_dirs, tmp_path):

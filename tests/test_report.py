@@ -184,15 +184,17 @@ def test_rag_source_lists_the_benchmark_entries(root):
 
 def test_index_kinds_source_lists_a_files_entries_and_needs_the_file(root):
     entry = {"kind": "binary", "dimensions": 640, "mb_per_million": 76.3, "scifact_ndcg10": 60.1, "rag_acc1": 0.9}
-    entry["disk_mb_per_million"] = 686.6
+    entry |= {"disk_mb_per_million": 686.6, "rescore": "int8"}
     (root / "results" / "kinds.json").write_text(json.dumps({"a/binary/640": {**entry, "cpu_model": "AMD EPYC"}}))
     doc = write_doc(root, "<!-- report: index-kinds\nfile: results/kinds.json\n-->")
     assert run(root, doc) == 0
     rows = table_of(doc)
-    header = "| entry | index | dimensions | MB per 1M vectors | on disk, MB per 1M | SciFact nDCG@10 | RAG acc@1 |"
-    header += " CPU |"
+    header = (
+        "| entry | index | binary rescoring | dimensions | MB per 1M vectors | on disk, MB per 1M | SciFact nDCG@10 |"
+    )
+    header += " RAG acc@1 | CPU |"
     assert rows[0] == header
-    assert rows[1] == "| a/binary/640 | binary | 640 | 76.3 | 686.6 | 60.1 | 0.9 | AMD EPYC |"
+    assert rows[1] == "| a/binary/640 | binary | int8 | 640 | 76.3 | 686.6 | 60.1 | 0.9 | AMD EPYC |"
     doc = write_doc(root, "<!-- report: index-kinds\nentries: [a/binary/640]\n-->")
     assert run(root, doc) == 2
 

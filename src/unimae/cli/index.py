@@ -34,10 +34,9 @@ def add_index_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--rescore",
-        default="int8",
         choices=RESCORERS,
         help="--kind binary: rescore the Hamming candidates with the float query against int8 codes kept on disk "
-        "(int8: D more bytes a vector on disk, near-float quality) or against their sign bits (bits).",
+        "(int8, the default: D more bytes a vector on disk, near-float quality) or against their sign bits (bits).",
     )
     parser.add_argument("--dimensions", type=int, help="Index the first k coordinates (Matryoshka adapters).")
     parser.add_argument("--shard-size", type=int, default=256, help="Passages per saved shard (the resume unit).")
@@ -122,8 +121,12 @@ def _index_config(args: argparse.Namespace):
     if args.store == "memory":
         if disk:
             raise ValueError(f"--{', --'.join(disk).replace('_', '-')} set the disk store: add --store disk")
-        return IndexConfig(kind=args.kind, rescore=args.rescore, **common)
-    if args.kind != "flat":
+        if args.rescore and args.kind != "binary":
+            raise ValueError(
+                f"--rescore picks how a binary index rescores; --kind {args.kind} has no sign bits to rescore"
+            )
+        return IndexConfig(kind=args.kind, **({"rescore": args.rescore} if args.rescore else {}), **common)
+    if args.kind != "flat" or args.rescore:
         raise ValueError("--kind picks the FAISS index of --store memory; --store disk is IVF-PQ with exact rerank")
     return DiskIndexConfig(**common, **disk)
 

@@ -121,6 +121,7 @@ RAG_COLUMNS = {
 # benchmarks/index_kinds.py entry key -> column header, in column order.
 INDEX_KINDS_COLUMNS = {
     "kind": "index",
+    "rescore": "binary rescoring",
     "dimensions": "dimensions",
     "mb_per_million": "MB per 1M vectors",
     "disk_mb_per_million": "on disk, MB per 1M",

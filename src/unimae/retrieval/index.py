@@ -33,8 +33,9 @@ Rescoring a binary index (``IndexConfig.rescore``; the papers and libraries leav
 
 - ``int8`` (default): the candidates are rescored with the float query against their int8 codes (FAISS's 8-bit
   scalar quantizer, ranges trained on the corpus, as the ``sq8`` kind), kept on disk in ``rescore.npy`` and
-  memory-mapped, so only the candidates' rows are read: sentence-transformers' "binary retrieval + int8
-  rescoring" recipe. RAM holds the sign bits (1/32 of float); the disk holds D more bytes a vector.
+  memory-mapped, so a search reads only the candidates' rows: sentence-transformers' "binary retrieval + int8
+  rescoring" recipe. RAM holds the sign bits (1/32 of float); the disk holds D more bytes a vector. Loading
+  reads the file once, to check its SHA-256, as it does ``index.faiss``.
 - ``bits``: the candidates are rescored against their own sign bits (sentence-transformers'
   ``semantic_search_faiss``): nothing more on disk, lower quality (measured in docs/results.md). Indexes built
   before this option are read this way.
@@ -208,19 +209,21 @@ def _read_rescore_store(directory: Path, count: int) -> tuple:
     return codec, codes
 
 
-def _int8_rescored_search(index, store: tuple, queries: np.ndarray, k: int, multiplier: int):
+def _int8_rescored_search(index, store: tuple, queries: np.ndarray, k: int, multiplier: int, chunk: int = 64):
     """queries (Q, D) float unit rows -> (scores, ids) (Q, k): the Hamming top ``multiplier`` x k of the sign bits,
     rescored by the float query against the candidates' int8 codes (decoded by the corpus-trained quantizer);
-    scores are cosines up to the int8 rounding."""
+    scores are cosines up to the int8 rounding. ``chunk`` queries at a time bound the decoded (chunk, C, D) block."""
     codec, codes = store
     candidates = min(k * multiplier, index.ntotal)
-    _, ids = index.search(_binary_codes(queries), candidates)  # (Q, C), -1 past the corpus
-    safe = np.where(ids >= 0, ids, 0)
-    rows = np.sort(np.unique(safe))  # read each candidate's row once, in file order
-    decoded = codec.sa_decode(np.ascontiguousarray(codes[rows]))  # (R, D)
-    position = np.searchsorted(rows, safe)  # (Q, C) row of each candidate in ``decoded``
-    scores = np.einsum("qd,qcd->qc", queries, decoded[position]).astype(np.float32)  # (Q, C)
-    scores[ids < 0] = -np.inf
+    _, ids = index.search(_binary_codes(queries), candidates)  # (Q, C); FAISS pads with -1 past the corpus
+    scores = np.empty(ids.shape, dtype=np.float32)  # (Q, C)
+    for start in range(0, len(queries), chunk):
+        found = ids[start : start + chunk]  # (q, C)
+        rows = np.unique(found[found >= 0])  # each candidate's row read once, in file order
+        decoded = codec.sa_decode(np.ascontiguousarray(codes[rows]))  # (R, D)
+        position = np.searchsorted(rows, np.maximum(found, 0))  # (q, C) row of each candidate in ``decoded``
+        block = np.einsum("qd,qcd->qc", queries[start : start + chunk], decoded[np.minimum(position, len(rows) - 1)])
+        scores[start : start + chunk] = np.where(found >= 0, block, -np.inf)
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # (Q, k)
     return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
 
