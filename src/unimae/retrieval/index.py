@@ -219,10 +219,9 @@ def _int8_rescored_search(index, store: tuple, queries: np.ndarray, k: int, mult
     scores = np.empty(ids.shape, dtype=np.float32)  # (Q, C)
     for start in range(0, len(queries), chunk):
         found = ids[start : start + chunk]  # (q, C)
-        rows = np.unique(found[found >= 0])  # each candidate's row read once, in file order
-        decoded = codec.sa_decode(np.ascontiguousarray(codes[rows]))  # (R, D)
-        position = np.searchsorted(rows, np.maximum(found, 0))  # (q, C) row of each candidate in ``decoded``
-        block = np.einsum("qd,qcd->qc", queries[start : start + chunk], decoded[np.minimum(position, len(rows) - 1)])
+        rows = np.maximum(found, 0)  # (q, C); a -1 pad reads row 0 and is scored -inf below
+        decoded = codec.sa_decode(codes[rows.ravel()]).reshape(*rows.shape, -1)  # (q, C, D), only these rows read
+        block = np.einsum("qd,qcd->qc", queries[start : start + chunk], decoded)  # (q, C)
         scores[start : start + chunk] = np.where(found >= 0, block, -np.inf)
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # (Q, k)
     return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
@@ -409,9 +408,10 @@ def _check_integrity(directory: Path, manifest: dict, passages: list[tuple[str, 
             "with the same arguments to record them",
             directory,
         )
+        return
     for name in ["index.faiss", *([RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else [])]:
         path = directory / name
-        if recorded is not None and (not path.is_file() or file_sha256(path) != manifest["sha256"].get(name)):
+        if not path.is_file() or file_sha256(path) != manifest["sha256"].get(name):
             raise VectorIndexError(
                 f"{path} {'does not match the SHA-256 in manifest.json' if path.is_file() else 'is missing'}: it was "
                 "changed or damaged after the index was built; rerun `unimae index` with the same arguments to rebuild "
