@@ -132,3 +132,24 @@ def test_the_cards_wall_time_counts_each_step_of_the_released_adapter_once(tmp_p
     log.write_text("".join(json.dumps({"step": s, "seconds": t}) + "\n" for s, t in steps))
     assert _log_seconds(log) == 40.0
     assert _log_seconds(log, up_to=2) == 20.0
+
+
+def test_an_evaluation_by_release_name_records_the_released_weights_revision(
+    tiny_model_dirs, adapter, tmp_path, monkeypatch
+):
+    """The Python API resolves a release name before hashing, as the CLI does: the record names the weights."""
+    from unimae.adapter import adapter_revision
+    from unimae.evaluation.embeddings import evaluate_embeddings
+
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases")
+    monkeypatch.setenv("UNIMAE_RELEASES", str(tmp_path / "releases"))
+    rows = [{"sentence1": f"a cat sat {i}", "sentence2": f"the dog ran {i % 3}", "score": float(i % 5)} for i in range(12)]
+    (tmp_path / "data" / "sts" / "STS17").mkdir(parents=True)
+    (tmp_path / "data" / "sts" / "STS17" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = evaluate_embeddings(
+        str(tiny_model_dirs["llama"]), ["STS17"], tmp_path / "eval", adapter="tiny-retriever",
+        data_dir=tmp_path / "data", precision="fp32",
+    )
+    record = json.loads((run.output_dir / "run.json").read_text())
+    assert "STS17" in run.scores and record["adapter"] == str(out)
+    assert record["revision"] == adapter_revision(str(out)) != adapter_revision("tiny-retriever")

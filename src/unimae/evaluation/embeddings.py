@@ -20,6 +20,7 @@ from unimae.encoder import Encoder
 from unimae.evaluation.embedding_cache import EmbeddingCache, namespace_key
 from unimae.evaluation.local_data import LOADERS, LocalDataError, task_folder
 from unimae.files import atomic_write, atomic_write_json
+from unimae.release import resolve_adapter
 from unimae.runtime.memory import cpu_model
 
 logger = logging.getLogger(__name__)
@@ -355,6 +356,7 @@ def evaluate_embeddings(
     """
     from unimae.evaluation.mteb_model import MTEBEncoder  # imported here: that module imports mteb, an optional extra
 
+    adapter = resolve_adapter(adapter)  # a release name -> its folder, so the revision hashes its weights
     encoder = encoder or Encoder.from_pretrained(
         model,
         adapter=adapter,

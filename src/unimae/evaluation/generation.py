@@ -25,6 +25,7 @@ from unimae.adapter import adapter_revision, load_with_adapter, model_revision
 from unimae.data.corpus import enwiki_gensim_paragraphs
 from unimae.evaluation.embeddings import same_run, versions
 from unimae.files import atomic_write_json, read_json
+from unimae.release import resolve_adapter
 from unimae.runtime.memory import cpu_model
 from unimae.runtime.precision import resolve_device, resolve_precision, weight_dtype
 
@@ -156,6 +157,7 @@ def evaluate_generation(
 
     if scorer not in SCORERS:
         raise ValueError(f"unknown scorer {scorer!r}; choose from {sorted(SCORERS)}")
+    adapter = resolve_adapter(adapter)  # a release name -> its folder, so the revision hashes its weights
     tasks = tasks or GENERATION_TASKS
     local = [t for t in tasks if t in GENERATION_TASKS]
     output_dir = Path(output_dir)
