@@ -143,12 +143,18 @@ def test_an_evaluation_by_release_name_records_the_released_weights_revision(
 
     out = make_release(adapter, "tiny-retriever", tmp_path / "releases")
     monkeypatch.setenv("UNIMAE_RELEASES", str(tmp_path / "releases"))
-    rows = [{"sentence1": f"a cat sat {i}", "sentence2": f"the dog ran {i % 3}", "score": float(i % 5)} for i in range(12)]
+    rows = [
+        {"sentence1": f"a cat sat {i}", "sentence2": f"the dog ran {i % 3}", "score": float(i % 5)} for i in range(12)
+    ]
     (tmp_path / "data" / "sts" / "STS17").mkdir(parents=True)
     (tmp_path / "data" / "sts" / "STS17" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = evaluate_embeddings(
-        str(tiny_model_dirs["llama"]), ["STS17"], tmp_path / "eval", adapter="tiny-retriever",
-        data_dir=tmp_path / "data", precision="fp32",
+        str(tiny_model_dirs["llama"]),
+        ["STS17"],
+        tmp_path / "eval",
+        adapter="tiny-retriever",
+        data_dir=tmp_path / "data",
+        precision="fp32",
     )
     record = json.loads((run.output_dir / "run.json").read_text())
     assert "STS17" in run.scores and record["adapter"] == str(out)
