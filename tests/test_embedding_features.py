@@ -216,6 +216,8 @@ def test_quantized_indexes_find_each_passage(tiny_model_dirs, tmp_path, kind, re
     # cosine scale, best first; a vector against its own sign vector: about sqrt(2 / pi) = 0.8 for binary's bits
     assert all(h[0].score > 0.7 and h[0].score >= h[1].score for h in hits)
     assert (tmp_path / "idx" / "rescore.npy").is_file() == (kind == "binary" and rescore == "int8")
+    VectorIndex.build(enc, PASSAGES, tmp_path / "idx", IndexConfig(shard_size=5))  # the same shards, now flat
+    assert not any((tmp_path / "idx" / name).exists() for name in ("rescore.npy", "rescore.faiss"))
 
 
 def test_int8_rescored_binary_index_scores_like_the_float_one_and_checks_its_store(tiny_model_dirs, tmp_path):

@@ -327,6 +327,9 @@ class VectorIndex:
         stored = [RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else []
         if stored:
             _write_rescore_store(directory, vectors)
+        else:  # an earlier binary build's int8 store would outlive its index
+            for stale in (RESCORE_CODEC, RESCORE_CODES):
+                (directory / stale).unlink(missing_ok=True)
         manifest["sha256"] = {
             **{name: file_sha256(directory / name) for name in ["index.faiss", *stored]},
             "shards": _shard_hashes(shards, range(0, len(passages), config.shard_size)),
