@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 RELEASES_ENV = "UNIMAE_RELEASES"
 REPOSITORY_RELEASES = Path(__file__).resolve().parents[2] / "releases"  # a source checkout / editable install
 MAX_WEIGHTS_BYTES = 16 * 2**20
+RELEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 RELEASE_FILES = ("adapter_model.safetensors", "adapter_config.json", ADAPTER_META, "README.md")
 
 
@@ -93,6 +95,7 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     over 16 MiB in bf16."""
     from safetensors.torch import load_file, save_file
 
+    check_release_name(name)
     source = Path(adapter)
     if not (source / ADAPTER_META).is_file():
         raise FileNotFoundError(f"{source} has no {ADAPTER_META}: pass an adapter folder written by `unimae train`")
@@ -115,10 +118,28 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=source_revision(source))
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
+    _swap_in(partial, out)
     return out
+
+
+def check_release_name(name: str) -> None:
+    """A release name is one plain folder name (letters, digits, '.', '_', '-'; not '.' or '..'): the folder
+    ``root/name`` is replaced, so an empty or path-like name must never reach it."""
+    if not RELEASE_NAME.fullmatch(name or "") or name in (".", ".."):
+        raise ValueError(f"release name {name!r}: use one folder name of letters, digits, '.', '_' and '-'")
+
+
+def _swap_in(partial: Path, out: Path) -> None:
+    """``partial`` becomes ``out``; an older ``out`` is moved aside first and deleted last, so an interruption
+    leaves either release whole (an aside copy left behind is restored by the next call)."""
+    aside = out.with_name(f".{out.name}.old")
+    if aside.exists() and not out.exists():
+        aside.rename(out)  # an earlier swap stopped between its two renames
+    shutil.rmtree(aside, ignore_errors=True)
+    if out.exists():
+        out.rename(aside)
+    partial.rename(out)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def source_revision(adapter: str | Path) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from unimae.adapter import AdapterMeta
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
+from unimae.files import read_json
 from unimae.training.config import TrainConfig, flag_defaults, flat_values
 
 # The base models of the offline short names: the Hugging Face ids and licences a card names.
@@ -75,7 +76,7 @@ def build_card(inputs: CardInputs, meta: AdapterMeta, revision: str | None = Non
 def check_results_belong(folder: Path, revision: str | None) -> None:
     """ValueError unless the dev-suite folder was evaluated for the adapter of ``revision`` (its run.json)."""
     run = Path(folder) / "run.json"
-    scored = json.loads(run.read_text()).get("revision") if run.is_file() else None
+    scored = read_json(run, "run record").get("revision") if run.is_file() else None
     if revision is not None and scored != revision:
         raise ValueError(
             f"{folder} holds the results of adapter revision {scored}, not of the adapter released ({revision}); "
@@ -89,16 +90,19 @@ def _dev_scores(folder: Path) -> dict[str, dict]:
     for path in sorted(Path(folder).glob("*.json")):
         if path.name == "run.json" or path.name.endswith(".error.json"):
             continue
-        data = json.loads(path.read_text())
+        data = read_json(path, "result file")
         if "task_name" in data:
             out[data["task_name"]] = data
     return out
 
 
 def _main_score(result: dict) -> float:
-    scores = result["scores"]
-    split = "test" if "test" in scores else next(iter(scores))
-    return float(scores[split][0]["main_score"]) * 100
+    try:
+        scores = result["scores"]
+        split = "test" if "test" in scores else next(iter(scores))
+        return float(scores[split][0]["main_score"]) * 100
+    except (KeyError, IndexError, StopIteration, TypeError, ValueError) as err:
+        raise ValueError(f"the mteb result of {result.get('task_name')!r} holds no main score ({err!r})") from err
 
 
 def _front_matter(name: str, meta: AdapterMeta, tasks: dict[str, dict], folder: Path) -> str:
@@ -181,7 +185,7 @@ def _results(inputs: CardInputs, tasks: dict[str, dict], revision: str | None) -
 def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
     rows = [read_row(Path(inputs.dev_results), tasks, label=inputs.name)]
     run = Path(inputs.dev_results) / "run.json"
-    length = json.loads(run.read_text()).get("max_length") if run.is_file() else None
+    length = read_json(run, "run record").get("max_length") if run.is_file() else None
     text = f"Dev suite ({len(tasks)} MTEB tasks, official mteb evaluators, main score x 100, "
     text += f"texts up to {length} tokens):\n\n"
     if inputs.summary is not None and Path(inputs.summary).is_file():
@@ -193,7 +197,7 @@ def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
 def _summary_json_table(path: Path, first=None) -> str:
     """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads. A row
     with missing tasks shows its scores but no average (it would not be the suite's)."""
-    data = json.loads(path.read_text())
+    data = read_json(path, "result file")
     tasks = sorted({t for entry in data.values() for t in entry.get("tasks", {})})
     lines = ["| model | average | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 2) + "|"]
     entries = list(data.items())
@@ -217,7 +221,7 @@ def _own(path: Path | None, revision: str | None) -> dict | None:
     revision when None), else None: a card quotes only the released adapter's own measurements."""
     if path is None or not Path(path).is_file():
         return None
-    data = json.loads(Path(path).read_text())
+    data = read_json(path, "result file")
     return data if revision is None or data.get("revision") == revision else None
 
 
@@ -237,7 +241,7 @@ def _generation_lines(inputs: CardInputs, revision: str | None) -> str:
                 f"- Generation ({n} lm-eval tasks, every item, average accuracy), {label}: {mean * 100:.2f}{spread}"
             )
     if inputs.repetition is not None and Path(inputs.repetition).is_file():
-        rows = json.loads(Path(inputs.repetition).read_text())
+        rows = read_json(inputs.repetition, "repetition result")
         own = [r for r in rows.values() if isinstance(r, dict) and (revision is None or r.get("revision") == revision)]
         base = rows.get("base") if isinstance(rows.get("base"), dict) else None
         if own and base and "repeated_trigrams" in own[0]:
@@ -312,14 +316,23 @@ def _log_seconds(path: Path, up_to: int | None = None) -> float:
     the last record counts), only steps <= ``up_to`` when given (a run that went on past its release)."""
     if not Path(path).is_file():
         return 0.0
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    records = [r for r in map(_log_record, Path(path).read_text().splitlines()) if r is not None]
     by_step = {r.get("step", i): r.get("seconds", 0.0) for i, r in enumerate(records)}
     return sum(v for step, v in by_step.items() if up_to is None or step <= up_to)
 
 
+def _log_record(line: str) -> dict | None:
+    """One training-log line -> its record; a line cut off by a crash or a full disk (or a blank one) -> None."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _log_cpus(path: Path) -> list[str]:
     run = Path(path).with_name("run.json")
-    cpu = json.loads(run.read_text()).get("cpu_model") if run.is_file() else None
+    cpu = read_json(run, "run record").get("cpu_model") if run.is_file() else None
     return [cpu] if cpu else []
 
 

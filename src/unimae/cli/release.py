@@ -31,9 +31,11 @@ def add_release_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from unimae.release import REPOSITORY_RELEASES, make_release, release_meta
+    from unimae.files import atomic_write_text
+    from unimae.release import REPOSITORY_RELEASES, check_release_name, make_release, release_meta
     from unimae.release_card import CardInputs, build_card
 
+    check_release_name(args.name)
     root = Path(args.root) if args.root else REPOSITORY_RELEASES
     optional = lambda value: Path(value) if value else None  # noqa: E731
     inputs = CardInputs(
@@ -52,7 +54,7 @@ def _release(args: argparse.Namespace) -> int:
     if args.card_only:
         meta = release_meta(inputs.release)
         card = build_card(inputs, meta, meta.release.source_revision if meta.release else None)
-        (inputs.release / "README.md").write_text(card, encoding="utf-8")
+        atomic_write_text(inputs.release / "README.md", card)
         print(f"wrote the model card of {inputs.release}")
         return 0
     if not args.adapter:
