@@ -228,3 +228,26 @@ def test_disk_store_refuses_a_memory_index_and_bad_settings(synthetic_stores, tm
         DiskIndex.build(TableEncoder(synthetic(100)), table_passages(100), tmp_path / "bad", DiskIndexConfig(pq_m=5))
     with pytest.raises(VectorIndexError, match="no passages"):
         DiskIndex.build(TableEncoder(synthetic(1)), [], tmp_path / "empty")
+
+
+def test_tiny_corpora_index_or_are_refused_clearly(tmp_path):
+    """FAISS's own training errors never reach the user: cells and codebooks fit the rows there are."""
+    with pytest.raises(VectorIndexError, match="at least 2 passages"):
+        DiskIndex.build(TableEncoder(synthetic(1)), table_passages(1), tmp_path / "one")
+    two = DiskIndex.build(TableEncoder(synthetic(2)), table_passages(2), tmp_path / "two", DiskIndexConfig(pq_m=4))
+    assert two.search(synthetic(2)[:1], k=1)[0][0].id == "s0"
+    ivf = IndexConfig(kind="ivf", ivf_nlist=100)  # more cells than passages: as many cells as passages
+    built = VectorIndex.build(TableEncoder(synthetic(10)), table_passages(10), tmp_path / "ivf", ivf)
+    assert built.index.nlist == 10 and built.search(synthetic(10)[3:4], k=1)[0][0].id == "s3"
+    for bad in ({"ivf_nlist": 0}, {"hnsw_m": 0}, {"ivf_nprobe": 0}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            IndexConfig(**bad)
+
+
+def test_a_passages_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    VectorIndex.build(TableEncoder(synthetic(3)), table_passages(3), tmp_path / "idx")
+    path = tmp_path / "idx" / "passages.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b'{"id": "s1", "text": "v\xff1"}\n' + lines[2])
+    with pytest.raises(VectorIndexError, match=r"passages\.jsonl, line 2, is damaged"):
+        VectorIndex.load(tmp_path / "idx")

@@ -1,5 +1,6 @@
 """Vector index (build, resume, damage) and one-model RAG with KV-cache reuse, on tiny models."""
 
+import copy
 import json
 import os
 import shutil
@@ -72,7 +73,11 @@ def test_damaged_index_files_and_empty_builds_are_clear_errors(encoder, tmp_path
 
     with pytest.raises(VectorIndexError, match="no passages"):
         VectorIndex.build(encoder, [], tmp_path / "empty")
-    VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")  # no source: the manifest names no model
+    VectorIndex.build(encoder, PASSAGES, tmp_path / "named")  # from_pretrained's encoder names its model
+    assert load_index_and_encoder(tmp_path / "named")[1].manifest["model"] == encoder.source["model"]
+    anonymous = copy.copy(encoder)
+    anonymous.source = {}  # an Encoder built by hand around a model object
+    VectorIndex.build(anonymous, PASSAGES, tmp_path / "idx")
     with pytest.raises(VectorIndexError, match="records no model"):
         load_index_and_encoder(tmp_path / "idx")
     passages = tmp_path / "idx" / "passages.jsonl"
@@ -93,6 +98,9 @@ def test_load_passages_ids_and_errors(tmp_path):
     assert load_passages(str(path)) == [("a", "first"), ("2", "second")]
     path.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
     with pytest.raises(CorpusError, match="twice"):
+        load_passages(str(path))
+    path.write_text('{"id": "a", "text": "ok"}\n{"id": "b", "text": "x \\ud800 y"}\n')
+    with pytest.raises(CorpusError, match="line 2: 'text' holds a lone surrogate"):
         load_passages(str(path))
 
 

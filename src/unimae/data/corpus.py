@@ -93,6 +93,10 @@ def jsonl_records(path: Path, field: str):
             raise CorpusError(f"{path}, line {number}: not valid JSON ({err.msg})") from err
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise CorpusError(f"{path}, line {number}: expected an object with a string {field!r} field")
+        try:
+            record[field].encode("utf-8")
+        except UnicodeEncodeError as err:  # a JSON \\ud800 escape: not text
+            raise CorpusError(f"{path}, line {number}: {field!r} holds a lone surrogate ({err.reason})") from err
         yield number, record
 
 

@@ -352,13 +352,16 @@ def _train_ivfpq(vectors: np.ndarray, config: DiskIndexConfig):
     """vectors (N, D) unit rows (memory-mapped) -> a trained, filled FAISS IndexIVFPQ (inner product)."""
     faiss = _faiss()
     n, dim = vectors.shape
+    if n < 2:
+        raise VectorIndexError("the disk store's product quantizer needs at least 2 passages; use the memory store")
     nlist = min(n, config.nlist or max(1, min(n // 39, int(4 * math.sqrt(n)))))  # FAISS: >= 39 points per cell
     m = config.pq_m or _default_pq_m(dim)
     if dim % m:
         raise ValueError(f"pq_m must divide the dimension {dim}, got {m}")
     sample = np.linspace(0, n - 1, min(n, max(config.train_size, 39 * nlist))).astype(np.int64)  # (T,)
     train = np.ascontiguousarray(vectors[sample])  # (T, D)
-    nbits = int(min(8, max(1, math.log2(max(2, len(train) // 39)))))  # 256 centroids once there are 39 x 256 rows
+    nbits = int(min(8, math.log2(len(train)), max(1, math.log2(max(2, len(train) // 39)))))  # 2**nbits <= rows;
+    # 256 centroids once there are 39 x 256 rows
     index = faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
     index.cp.min_points_per_centroid = index.pq.cp.min_points_per_centroid = 1  # small corpora: no warnings
     index.train(train)

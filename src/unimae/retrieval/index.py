@@ -108,10 +108,11 @@ class IndexConfig:
     def __post_init__(self):
         if self.kind not in INDEX_KINDS:
             raise ValueError(f"index kind must be one of {INDEX_KINDS}, got {self.kind!r}")
-        if self.shard_size < 1 or self.batch_size < 1 or self.rescore_multiplier < 1:
-            raise ValueError("shard_size, batch_size and rescore_multiplier must be >= 1")
-        if self.dimensions is not None and self.dimensions < 1:
-            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+        if min(self.shard_size, self.batch_size, self.rescore_multiplier, self.hnsw_m, self.ivf_nprobe) < 1:
+            raise ValueError("shard_size, batch_size, rescore_multiplier, hnsw_m and ivf_nprobe must be >= 1")
+        for name in ("dimensions", "ivf_nlist"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rescore not in RESCORERS:
             raise ValueError(f"rescore must be one of {RESCORERS}, got {self.rescore!r}")
 
@@ -156,7 +157,7 @@ def _build_faiss(vectors: np.ndarray, config: IndexConfig):
     elif config.kind == "hnsw":
         index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
     else:
-        nlist = config.ivf_nlist or max(1, min(n // 39, int(4 * np.sqrt(n))))  # FAISS wants >= 39 points per cell
+        nlist = min(n, config.ivf_nlist or max(1, min(n // 39, int(4 * np.sqrt(n)))))  # FAISS: >= 39 points a cell
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
         index.train(vectors)
         index.nprobe = min(config.ivf_nprobe, nlist)
@@ -251,10 +252,12 @@ def _rescored_binary_search(index, queries: np.ndarray, k: int, multiplier: int)
 
 def index_manifest(encoder, passages: list[tuple[str, str]], config, source: dict | None) -> dict:
     """A new build's manifest (``complete: false`` until its index is written): what embedded the passages and
-    how, the passages' fingerprint and the store's ``config`` (a dataclass); the resume rules compare it."""
+    how (the encoder's own ``source``, ``source``'s keys over it), the passages' fingerprint and the store's
+    ``config`` (a dataclass); the resume rules compare it."""
     dim = config.dimensions or encoder.embedding_dim
     return {
         "format": FORMAT_VERSION,
+        **getattr(encoder, "source", {}),  # the model and adapter an Encoder.from_pretrained loaded
         **(source or {}),
         "pooling": encoder.spec.pooling,
         "embedding": encoder.spec.at_size(dim, encoder.embedding_dim).to_dict(),  # a rotation: prefixes only
@@ -446,12 +449,12 @@ def _read_passages(path: Path) -> list[tuple[str, str]]:
     if not path.is_file():
         raise VectorIndexError(f"{path} is missing; rebuild the index with `unimae index --overwrite`")
     passages = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, "rb") as handle:
         for number, line in enumerate(handle, 1):
             try:
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8"))
                 passages.append((record["id"], record["text"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
                 raise VectorIndexError(
                     f"{path}, line {number}, is damaged ({err}); rebuild the index with `unimae index --overwrite`"
                 ) from err

@@ -30,6 +30,7 @@ from unimae.generation.decoding import decode_tokens
 from unimae.generation.prompt import check_fits
 from unimae.generation.sampling import GenerationParams
 from unimae.generation.stream import GenerationResult, generate_stream
+from unimae.release import find_release
 from unimae.retrieval.disk_index import DiskIndex, open_index
 from unimae.retrieval.index import Hit, VectorIndex, VectorIndexError
 
@@ -290,6 +291,7 @@ def load_index_and_encoder(
     index = open_index(index_dir)
     manifest = index.manifest
     adapter = adapter if adapter is not None else manifest.get("adapter")
+    adapter = find_release(adapter) or adapter if adapter is not None else None  # a release name, as the CLI takes
     if adapter is not None and not Path(adapter).is_dir():
         raise VectorIndexError(f"adapter {adapter} does not exist; pass the adapter the index was built with")
     built, given = manifest.get("adapter_revision", "base"), adapter_revision(adapter)
