@@ -296,6 +296,25 @@ def test_rag_route_retrieves_and_answers_the_same_with_and_without_cache(server)
     assert overflow.status_code == 400 and "context" in overflow.json()["error"]["message"]
 
 
+def test_a_rag_answer_without_max_tokens_shrinks_to_the_context_left(server):
+    """As for chat: a prompt (question + passages) that leaves less room than the default answer length gets a
+    shorter answer, not a 400 about max_tokens."""
+    query = LONG.rsplit(" ", 12)[0]
+    lengths = {}
+    for k in range(1, 9):
+        reply = _post(server, "/v1/rag", {"query": query, "k": k, "max_tokens": 1})
+        if reply.status_code == 200:
+            lengths[k] = reply.json()["usage"]["prompt_tokens"]
+    near = [k for k, n in lengths.items() if 512 - 32 < n < 512]  # less room than the default 32 tokens
+    assert near, lengths
+    k, n_prompt = near[0], lengths[near[0]]
+    reply = _post(server, "/v1/rag", {"query": query, "k": k})
+    assert reply.status_code == 200, reply.text
+    assert 1 <= reply.json()["usage"]["completion_tokens"] <= 512 - n_prompt
+    explicit = _post(server, "/v1/rag", {"query": query, "k": k, "max_tokens": 32})
+    assert explicit.status_code == 400 and "context" in explicit.json()["error"]["message"]
+
+
 def test_more_edge_cases_get_clean_4xx(server):
     def chunks():
         for _ in range(30):

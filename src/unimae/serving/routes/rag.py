@@ -1,9 +1,10 @@
 """``POST /v1/rag``: retrieve passages from the index and answer from them with the same model.
 
 Body ``{"query", "k", "max_tokens", "stream", "reuse_kv"}``; answer ``rag.answer`` with the passages and
-usage (``cached_prompt_tokens``: the query's embedding pass reused as the prompt's KV cache). Streamed, the
-events are ``rag.passages``, then ``rag.delta`` text pieces, then the ``rag.answer``. A client that leaves
-ends the answer within a token, streamed or not.
+usage (``cached_prompt_tokens``: the query's embedding pass reused as the prompt's KV cache). Without
+``max_tokens`` the answer may take the chat default, shortened to the context the question and passages leave.
+Streamed, the events are ``rag.passages``, then ``rag.delta`` text pieces, then the ``rag.answer``. A client
+that leaves ends the answer within a token, streamed or not.
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
     engine = state.engine
     if not engine.has_index:
         raise APIError(404, "no index is loaded; start the server with --index DIR", code="no_index")
-    params = GenerationParams(max_new_tokens=state.token_budget(body.max_tokens, state.config.default_chat_tokens))
+    budget = state.token_budget(body.max_tokens, state.config.default_chat_tokens)
+    asked = GenerationParams(max_new_tokens=budget if body.max_tokens else 1)  # unasked: the room left (below)
     state.slots.reserve()
     try:  # retrieval and the full prompt's budget check before any answer starts: a streamed answer gets 400 too
-        prompt = await run_in_threadpool(engine.rag_prepare, body.query, params, body.k, body.reuse_kv)
+        prompt = await run_in_threadpool(engine.rag_prepare, body.query, asked, body.k, body.reuse_kv)
     except BaseException as err:
         state.slots.unreserve()
         if isinstance(err, ValueError):
             raise APIError(400, str(err), "query") from err
         raise
+    if not body.max_tokens and engine.context is not None:  # as chat: the default answer shrinks to fit
+        budget = min(budget, engine.context - len(prompt.ids))
+    params = GenerationParams(max_new_tokens=budget)
     cancel = threading.Event()
     model = state.config.model_name
     run = functools.partial(engine.rag_stream, body.query, prompt, params, cancel)
