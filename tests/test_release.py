@@ -159,3 +159,51 @@ def test_an_evaluation_by_release_name_records_the_released_weights_revision(
     record = json.loads((run.output_dir / "run.json").read_text())
     assert "STS17" in run.scores and record["adapter"] == str(out)
     assert record["revision"] == adapter_revision(str(out)) != adapter_revision("tiny-retriever")
+
+
+def test_a_release_name_is_one_folder_and_a_stopped_swap_loses_no_release(adapter, tmp_path):
+    from unimae.release import _swap_in
+
+    root = tmp_path / "releases"
+    (root / "kept").mkdir(parents=True)
+    for bad in ("", ".", "..", "a/b", "../x", "-x"):
+        with pytest.raises(ValueError, match="release name"):
+            make_release(adapter, bad, root)
+    assert (root / "kept").is_dir() and sorted(p.name for p in root.iterdir()) == ["kept"]
+    assert main(["release", "--adapter", str(adapter), "--name", "", "--root", str(root), "--dev-results", "x"]) == 2
+    old = make_release(adapter, "r", root)
+    old.rename(root / ".r.old")  # a swap stopped between moving the old release aside and moving the new one in
+    partial = root / ".r.partial"
+    partial.mkdir()
+    (partial / "new").write_text("x")
+    _swap_in(partial, root / "r")
+    assert (root / "r" / "new").is_file() and not (root / ".r.old").exists() and not partial.exists()
+
+
+def test_a_card_skips_a_cut_off_training_log_line_and_names_a_bad_result_file(tmp_path):
+    from unimae.release_card import _log_seconds, _main_score, _rag_lines
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "seconds": 2.0}\n{"step": 2, "seconds": 3.0}\n{"step": 3, "sec')
+    assert _log_seconds(log) == 5.0
+    (tmp_path / "rag.json").write_text("{not json")
+    inputs = CardInputs(name="r", release=tmp_path, dev_results=tmp_path, rag=tmp_path / "rag.json")
+    with pytest.raises(ValueError, match=r"rag\.json is not valid JSON"):
+        _rag_lines(inputs, "x")
+    with pytest.raises(ValueError, match="holds no main score"):
+        _main_score({"task_name": "STS17", "scores": {"test": []}})
+
+
+def test_an_index_opens_with_its_release_by_name(tiny_model_dirs, adapter, tmp_path, monkeypatch):
+    from unimae.adapter import adapter_revision
+    from unimae.retrieval.index import VectorIndex
+    from unimae.retrieval.rag import load_index_and_encoder
+
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases")
+    monkeypatch.setenv("UNIMAE_RELEASES", str(tmp_path / "releases"))
+    tiny = str(tiny_model_dirs["llama"])
+    encoder = Encoder.from_pretrained(tiny, adapter=str(out), precision="fp32")
+    VectorIndex.build(encoder, [("a", "the cat sat"), ("b", "a dog ran")], tmp_path / "idx")  # names its adapter
+    loaded, index = load_index_and_encoder(tmp_path / "idx", adapter="tiny-retriever", precision="fp32")
+    assert index.manifest["adapter_revision"] == loaded.source["adapter_revision"] == adapter_revision(str(out))
+    assert index.search(loaded.encode_document(["the cat sat"], normalize=True), k=1)[0][0].id == "a"

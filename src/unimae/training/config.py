@@ -108,7 +108,7 @@ class TrainConfig:
     output_dir: str = field(
         default="runs/unimae", metadata={"help": "Where the run writes adapter, logs, checkpoints."}
     )
-    recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~15 min on 2 cores) or 'paper'."})
+    recipe: str = field(default="cpu", metadata={"help": "Preset: 'cpu' (default, ~18 min on 2 cores) or 'paper'."})
     method: str = choice_field(
         "unimae", lambda: method_names(), "Training method (unimae.training.methods; see the choices)."
     )
