@@ -251,3 +251,17 @@ def test_a_passages_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     path.write_bytes(lines[0] + b'{"id": "s1", "text": "v\xff1"}\n' + lines[2])
     with pytest.raises(VectorIndexError, match=r"passages\.jsonl, line 2, is damaged"):
         VectorIndex.load(tmp_path / "idx")
+
+
+def test_switching_store_or_kind_in_one_folder_leaves_no_other_stores_files(tmp_path):
+    from unimae.retrieval.disk_index import IVFPQ, OFFSETS, VECTORS
+    from unimae.retrieval.index import STORE_FILES
+
+    assert {VECTORS, IVFPQ, OFFSETS} <= set(STORE_FILES)
+    vectors, passages, folder = synthetic(50), table_passages(50), tmp_path / "idx"
+    VectorIndex.build(TableEncoder(vectors), passages, folder, IndexConfig(kind="binary"))
+    DiskIndex.build(TableEncoder(vectors), passages, folder, DiskIndexConfig(pq_m=4))
+    assert not any((folder / name).exists() for name in ("index.faiss", "rescore.npy", "rescore.faiss"))
+    VectorIndex.build(TableEncoder(vectors), passages, folder)  # back to a flat memory index
+    assert sorted(n for n in STORE_FILES if (folder / n).exists()) == ["index.faiss"]
+    assert VectorIndex.load(folder).search(vectors[7:8], k=1)[0][0].id == "s7"

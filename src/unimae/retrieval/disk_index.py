@@ -64,6 +64,7 @@ from unimae.retrieval.index import (
     _shard_path,
     finished_manifest,
     index_manifest,
+    remove_stale_files,
     write_shard,
 )
 
@@ -220,6 +221,7 @@ class DiskIndex:
         manifest["sha256"] = {name: file_sha256(directory / name) for name in (IVFPQ, OFFSETS, VECTORS)}
         manifest["complete"] = True
         atomic_write_json(manifest_path, manifest)
+        remove_stale_files(directory, [IVFPQ, OFFSETS, VECTORS])  # a memory index's files, if it was one before
         return cls.load(directory)
 
     @classmethod

@@ -73,6 +73,9 @@ logger = logging.getLogger(__name__)
 INDEX_KINDS = ("flat", "hnsw", "ivf", "sq8", "binary")
 RESCORERS = ("int8", "bits")
 RESCORE_CODEC, RESCORE_CODES = "rescore.faiss", "rescore.npy"
+# Every file a store writes beside the shards, manifest and passages (this module's, then the disk store's): a build
+# removes those its store does not write, so an earlier build of another kind or store leaves nothing behind.
+STORE_FILES = ("index.faiss", RESCORE_CODEC, RESCORE_CODES, "vectors.npy", "ivfpq.faiss", "passages.offsets.npy")
 FORMAT_VERSION = 1
 
 
@@ -174,6 +177,13 @@ def _int8_rescored(manifest: dict) -> bool:
     """Whether an index rescores binary candidates with int8 codes on disk (indexes from before the option: no)."""
     config = manifest.get("config", {})
     return config.get("kind") == "binary" and config.get("rescore", "bits") == "int8"
+
+
+def remove_stale_files(directory: Path, written: list[str]) -> None:
+    """Delete the :data:`STORE_FILES` of ``directory`` that the build just finished did not write."""
+    for name in STORE_FILES:
+        if name not in written:
+            (directory / name).unlink(missing_ok=True)
 
 
 def _write_rescore_store(directory: Path, vectors: np.ndarray) -> None:
@@ -330,9 +340,7 @@ class VectorIndex:
         stored = [RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else []
         if stored:
             _write_rescore_store(directory, vectors)
-        else:  # an earlier binary build's int8 store would outlive its index
-            for stale in (RESCORE_CODEC, RESCORE_CODES):
-                (directory / stale).unlink(missing_ok=True)
+        remove_stale_files(directory, ["index.faiss", *stored])
         manifest["sha256"] = {
             **{name: file_sha256(directory / name) for name in ["index.faiss", *stored]},
             "shards": _shard_hashes(shards, range(0, len(passages), config.shard_size)),
