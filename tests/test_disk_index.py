@@ -265,3 +265,6 @@ def test_switching_store_or_kind_in_one_folder_leaves_no_other_stores_files(tmp_
     VectorIndex.build(TableEncoder(vectors), passages, folder)  # back to a flat memory index
     assert sorted(n for n in STORE_FILES if (folder / n).exists()) == ["index.faiss"]
     assert VectorIndex.load(folder).search(vectors[7:8], k=1)[0][0].id == "s7"
+    for store in (VectorIndex.load(folder), DiskIndex.build(TableEncoder(vectors), passages, tmp_path / "disk")):
+        with pytest.raises(ValueError, match="k must be >= 1"):
+            store.search(vectors[:1], k=0)

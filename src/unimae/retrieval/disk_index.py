@@ -258,6 +258,8 @@ class DiskIndex:
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
         if queries.shape[1] != self.dim:
             raise ValueError(f"query dimension {queries.shape[1]} != index dimension {self.dim}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         found = _search(self.ivf, self.vectors, queries, min(k, len(self)), int(self.manifest["config"]["rerank"]))
         return [[Hit(*self.passages[int(i)], float(s)) for i, s in zip(*row, strict=True)] for row in found]
 

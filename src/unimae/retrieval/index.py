@@ -392,6 +392,8 @@ class VectorIndex:
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
         if queries.shape[1] != self.manifest["dim"]:
             raise ValueError(f"query dimension {queries.shape[1]} != index dimension {self.manifest['dim']}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, len(self.passages))
         if self.kind == "binary":
             multiplier = self.manifest["config"].get("rescore_multiplier", 4)
