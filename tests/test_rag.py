@@ -87,6 +87,9 @@ def test_damaged_index_files_and_empty_builds_are_clear_errors(encoder, tmp_path
     passages.unlink()
     with pytest.raises(VectorIndexError, match="passages.jsonl is missing"):
         VectorIndex.load(tmp_path / "idx")
+    (tmp_path / "idx" / "manifest.json").write_text("[]")
+    with pytest.raises(VectorIndexError, match="not a JSON object"):
+        VectorIndex.load(tmp_path / "idx")
     (tmp_path / "idx" / "manifest.json").write_bytes(b"\xff{")
     with pytest.raises(VectorIndexError, match="damaged"):  # also when resuming a build into it
         VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")

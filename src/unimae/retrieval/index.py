@@ -449,9 +449,12 @@ def _check_dimension(directory: Path, manifest: dict, index) -> None:
 
 def _read_manifest(path: Path) -> dict:
     try:
-        return read_json(path, "index manifest")
+        manifest = read_json(path, "index manifest")
     except ValueError as err:
         raise VectorIndexError(f"{path} is damaged ({err}); rebuild with `unimae index --overwrite`") from err
+    if not isinstance(manifest, dict):
+        raise VectorIndexError(f"{path} is damaged (not a JSON object); rebuild with `unimae index --overwrite`")
+    return manifest
 
 
 def _read_passages(path: Path) -> list[tuple[str, str]]:
