@@ -88,6 +88,10 @@ def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
         TrainConfig(micro_batch_size=0).validate()
     with pytest.raises(ValueError, match="inside --output-dir"):  # the run would overwrite its own start
         TrainConfig(output_dir=str(tmp_path / "run"), init_adapter=str(tmp_path / "run" / "adapter")).validate()
+    for flag in ("init_lora", "continue_adapter"):  # deeper too: an adapter's own init_adapter inside the run
+        with pytest.raises(ValueError, match="inside --output-dir"):
+            TrainConfig(output_dir=str(tmp_path / "run"), **{flag: str(tmp_path / "run" / "a" / "b")}).validate()
+    TrainConfig(output_dir=str(tmp_path / "run2"), init_lora=str(tmp_path / "run" / "adapter")).validate()
 
 
 @pytest.mark.parametrize(

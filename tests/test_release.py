@@ -162,7 +162,7 @@ def test_an_evaluation_by_release_name_records_the_released_weights_revision(
 
 
 def test_a_release_name_is_one_folder_and_a_stopped_swap_loses_no_release(adapter, tmp_path):
-    from unimae.release import _swap_in
+    from unimae.files import replace_folder
 
     root = tmp_path / "releases"
     (root / "kept").mkdir(parents=True)
@@ -176,7 +176,7 @@ def test_a_release_name_is_one_folder_and_a_stopped_swap_loses_no_release(adapte
     partial = root / ".r.partial"
     partial.mkdir()
     (partial / "new").write_text("x")
-    _swap_in(partial, root / "r")
+    replace_folder(partial, root / "r")
     assert (root / "r" / "new").is_file() and not (root / ".r.old").exists() and not partial.exists()
 
 

@@ -44,9 +44,31 @@ def test_resuming_a_finished_run_returns_at_once_and_more_steps_continue_it(
         patch.setattr(trainer, "_setup", lambda *a, **k: pytest.fail("a finished run loaded its model"))
         result = train(short_train_config(tiny_dir, corpus_file, out, steps=2), resume=True)
     assert result.already_finished and result.steps == 2 and adapter.stat().st_mtime_ns == written
+    merged = train(short_train_config(tiny_dir, corpus_file, out, steps=2, merge=True), resume=True)
+    assert merged.already_finished and (out / "merged" / "config.json").is_file()  # --merge asked only now
     longer = train(short_train_config(tiny_dir, corpus_file, out, steps=3), resume=True)
     assert longer.steps == 3 and not longer.already_finished and [r["step"] for r in read_log(out)] == [1, 2, 3]
     assert json.loads((out / "adapter" / "unimae.json").read_text())["trained_steps"] == 3
+
+
+def test_a_full_disk_while_saving_the_adapter_keeps_the_earlier_one_whole(tiny_dir, corpus_file, tmp_path, monkeypatch):
+    """The adapter is filled beside the old one and swapped in: a failed save leaves the earlier step's weights
+    with their own unimae.json (not step 3's weights labelled step 2), and no partial folder."""
+    import errno
+
+    out = tmp_path / "run"
+    train(short_train_config(tiny_dir, corpus_file, out, steps=2))
+    weights = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+
+    def disk_full(folder, meta):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "write_adapter_meta", disk_full)
+    with pytest.raises(OSError, match="the disk is full"):
+        train(short_train_config(tiny_dir, corpus_file, out, steps=3), resume=True)
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == weights
+    assert json.loads((out / "adapter" / "unimae.json").read_text())["trained_steps"] == 2
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
 
 
 def test_resume_drops_a_log_line_cut_off_by_a_crash(tiny_dir, corpus_file, tmp_path):

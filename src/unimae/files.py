@@ -72,6 +72,20 @@ def remove(path: str | Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def replace_folder(partial: str | Path, out: str | Path) -> None:
+    """The filled folder ``partial`` becomes ``out``: an older ``out`` is moved aside first and deleted last, so an
+    interruption leaves one of the two whole (an aside copy left with no ``out`` is restored by the next call)."""
+    partial, out = Path(partial), Path(out)
+    aside = out.with_name(f".{out.name}.old")
+    if aside.exists() and not out.exists():
+        aside.rename(out)  # an earlier call stopped between its two renames
+    remove(aside)
+    if out.exists():
+        out.rename(aside)
+    partial.rename(out)
+    remove(aside)
+
+
 def check_writable(folder: str | Path, flag: str = "--output") -> None:
     """Write (then delete) a probe file in ``folder``, or in the nearest folder above it that exists (where it
     would be created), so that a read-only or impossible destination fails before minutes of work, not after;

@@ -32,7 +32,7 @@ from unimae.adapter import (
     write_adapter_meta,
 )
 from unimae.embedding.rotation import load_rotation, rotation_metadata
-from unimae.files import atomic_write_text, read_json
+from unimae.files import atomic_write_text, read_json, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=source_revision(source))
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
-    _swap_in(partial, out)
+    replace_folder(partial, out)
     return out
 
 
@@ -127,19 +127,6 @@ def check_release_name(name: str) -> None:
     ``root/name`` is replaced, so an empty or path-like name must never reach it."""
     if not RELEASE_NAME.fullmatch(name or "") or name in (".", ".."):
         raise ValueError(f"release name {name!r}: use one folder name of letters, digits, '.', '_' and '-'")
-
-
-def _swap_in(partial: Path, out: Path) -> None:
-    """``partial`` becomes ``out``; an older ``out`` is moved aside first and deleted last, so an interruption
-    leaves either release whole (an aside copy left behind is restored by the next call)."""
-    aside = out.with_name(f".{out.name}.old")
-    if aside.exists() and not out.exists():
-        aside.rename(out)  # an earlier swap stopped between its two renames
-    shutil.rmtree(aside, ignore_errors=True)
-    if out.exists():
-        out.rename(aside)
-    partial.rename(out)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def source_revision(adapter: str | Path) -> str:

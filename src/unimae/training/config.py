@@ -221,11 +221,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= {value}, got {getattr(self, name)}")
         if self.init_adapter and self.init_lora:
             raise ValueError("--init-adapter and --init-lora are two ways to start from a stage: pass one")
-        if self.init_adapter and Path(self.init_adapter).resolve().parent == Path(self.output_dir).resolve():
-            raise ValueError(
-                f"--init-adapter {self.init_adapter} is inside --output-dir {self.output_dir}, which this run "
-                "overwrites; give the new stage its own --output-dir"
-            )
+        out = Path(self.output_dir).resolve()
+        for flag, path in (
+            ("--init-adapter", self.init_adapter),
+            ("--init-lora", self.init_lora),
+            ("--continue-adapter", self.continue_adapter),
+        ):
+            if path and Path(path).resolve().is_relative_to(out):
+                raise ValueError(
+                    f"{flag} {path} is inside --output-dir {self.output_dir}, which this run overwrites (and reads "
+                    "again when it saves); give the new stage its own --output-dir"
+                )
         self.options.check(self, world_size)  # first: a method's own reason to refuse the split is the clearer one
         per_step = self.micro_batch_size * world_size
         if self.batch_size % per_step:

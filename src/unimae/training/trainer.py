@@ -43,7 +43,7 @@ from unimae.adapter import (
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
-from unimae.files import atomic_write_json, atomic_write_text, writing
+from unimae.files import atomic_write_json, atomic_write_text, remove, replace_folder, writing
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_device, resolve_precision, weight_dtype
@@ -471,11 +471,15 @@ def _save_adapter(run: _Run, step: int) -> Path:
     check_finite(trained, f"adapter of step {step} not written", DIVERGED)
     # Trained token rows (GEM's summary tokens, --train-mask-token) are saved as peft trainable-token deltas;
     # the whole embedding matrices are not (every load grows the base the same way: unimae.adapter).
-    with writing(adapter_dir):  # a full disk: an error naming the adapter, not the library's
-        llm.save_pretrained(adapter_dir, **({} if config.full_params else {"save_embedding_layers": False}))
-    run.tokenizer.save_pretrained(adapter_dir)
-    if config.init_adapter and not config.full_params:
-        shutil.copytree(config.init_adapter, adapter_dir / INIT_ADAPTER, dirs_exist_ok=True)
+    # Filled beside the adapter and swapped in whole: an interruption or a full disk never leaves one step's
+    # weights under another step's unimae.json.
+    partial = adapter_dir.with_name(f".{adapter_dir.name}.partial")
+    remove(partial)
+    with writing(adapter_dir, partial=partial):  # a full disk: an error naming the adapter, not the library's
+        llm.save_pretrained(partial, **({} if config.full_params else {"save_embedding_layers": False}))
+        run.tokenizer.save_pretrained(partial)
+        if config.init_adapter and not config.full_params:
+            shutil.copytree(config.init_adapter, partial / INIT_ADAPTER)
     meta = AdapterMeta(
         base_model=config.model,
         base_fingerprint=run.fingerprint,
@@ -488,7 +492,9 @@ def _save_adapter(run: _Run, step: int) -> Path:
         training_config=config.to_dict(),
         continued_from_step=continued_step(config) if config.continue_adapter else None,
     )
-    write_adapter_meta(adapter_dir, meta)
+    with writing(adapter_dir, partial=partial):
+        write_adapter_meta(partial, meta)
+        replace_folder(partial, adapter_dir)
     if config.merge and not config.full_params:
         save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
     return adapter_dir
@@ -542,6 +548,8 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
     state = load_latest_checkpoint(out) if resume else None
     config = _with_continued_init(config) if state is None else config
     if state is not None and _finished(out, config, state["step"]):  # nothing left: no model to load
+        if config.merge and not config.full_params and not (out / "merged").is_dir():  # --merge asked only now
+            save_merged(config.model, _adapter_dir(config), out / "merged")
         return TrainResult(out, _adapter_dir(config), state["step"], False, 0.0, already_finished=True)
     run = _setup(config, state)
     if earlier is not None:
