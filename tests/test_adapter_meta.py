@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from unimae.adapter import ADAPTER_META, AdapterMeta, ReleaseInfo, adapter_meta, embedding_spec, write_adapter_meta
 from unimae.embedding.spec import EmbeddingSpec
 
@@ -51,3 +53,12 @@ def test_files_of_earlier_versions_read():
     meta = AdapterMeta.from_dict(flat)
     assert (meta.embedding, meta.trained_steps, meta.init_adapter, meta.release.name) == (SPEC, 3, None, "r")
     assert meta.training_config == flat["training_config"] and meta.extra == {}
+
+
+@pytest.mark.parametrize("content", ['{"embedding": "eos"}', '{"training_config": [1]}', '"abc"', "[]"])
+def test_a_malformed_unimae_json_is_an_error_naming_the_file(tmp_path, content):
+    from unimae.adapter import adapter_meta
+
+    (tmp_path / "unimae.json").write_text(content)
+    with pytest.raises(ValueError, match=r"adapter metadata .*unimae\.json is malformed"):
+        adapter_meta(tmp_path)

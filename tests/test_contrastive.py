@@ -379,6 +379,7 @@ def test_mixture_from_files_weights_and_mixture_files(tmp_path):
         ("{tmp}/partial.yaml", "", 4, "every entry or for none"),
         ("{tmp}/nope.yaml", "", 4, "does not exist"),
         ("{tmp}/broken.json", "", 4, "cannot be parsed"),
+        ("{tmp}/broken.yaml", "", 4, "cannot be parsed"),
     ],
 )
 def test_bad_mixtures_are_clear_errors(tmp_path, data, weights, batch, message):
@@ -387,6 +388,7 @@ def test_bad_mixtures_are_clear_errors(tmp_path, data, weights, batch, message):
     (tmp_path / "bad.yaml").write_text(f"- {a}\n- [1, 2]\n")
     (tmp_path / "partial.yaml").write_text(f"- {{path: {a}, weight: 1}}\n- {{path: {b}}}\n")
     (tmp_path / "broken.json").write_text("[{")
+    (tmp_path / "broken.yaml").write_text("- [a\n- b: c: d\n")
     with pytest.raises(CorpusError, match=message):
         load_mixture(data.format(a=a, b=b, tmp=tmp_path), weights, batch)
 

@@ -303,7 +303,15 @@ def model_revision(model: str) -> str | None:
 def adapter_meta(adapter: str | Path | None) -> AdapterMeta:
     """The unimae.json written next to an adapter by `unimae train` (an empty AdapterMeta without one)."""
     path = None if adapter is None else Path(adapter) / ADAPTER_META
-    return AdapterMeta.from_dict(read_json(path, "adapter metadata") if path and path.is_file() else None)
+    if not (path and path.is_file()):
+        return AdapterMeta()
+    data = read_json(path, "adapter metadata")
+    try:
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON object is expected, not {type(data).__name__}")
+        return AdapterMeta.from_dict(data)
+    except (TypeError, AttributeError, ValueError) as err:
+        raise ValueError(f"adapter metadata {path} is malformed ({err}); retrain or restore the adapter") from err
 
 
 def embedding_spec(adapter: str | Path | None) -> EmbeddingSpec:

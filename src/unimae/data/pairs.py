@@ -95,8 +95,11 @@ def _read_mixture(file: Path) -> list[Source]:
         else:
             import yaml
 
-            values = yaml.safe_load(text)
-    except (ValueError, ImportError) as err:  # json/yaml parse errors are ValueErrors
+            try:
+                values = yaml.safe_load(text)
+            except yaml.YAMLError as err:  # not a ValueError
+                raise ValueError(str(err)) from err
+    except (ValueError, ImportError) as err:  # json parse errors are ValueErrors
         raise CorpusError(f"mixture file {file} cannot be parsed: {err}") from err
     entries = values.get("sources") if isinstance(values, dict) else values
     how = "a list of {path, weight} entries (or {sources: [...]})"
