@@ -3,6 +3,7 @@ prompt gives, training with prompts per source, the Matryoshka loss, truncation,
 and continuing an adapter's training where its checkpoints are gone."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -310,3 +311,9 @@ def test_init_lora_starts_one_lora_where_the_merged_stage_would(tiny_model_dirs,
         train(_config(tiny, data, tmp_path / "both", init_lora=str(first), init_adapter=str(first)))
     with pytest.raises(FileNotFoundError, match="not an adapter folder"):
         train(_config(tiny, data, tmp_path / "none", init_lora=str(tmp_path)))
+    tokens = tmp_path / "tokens"  # an adapter that also trains token rows (GEM's summary tokens)
+    shutil.copytree(first, tokens)
+    config = json.loads((tokens / "adapter_config.json").read_text())
+    (tokens / "adapter_config.json").write_text(json.dumps({**config, "trainable_token_indices": [5]}))
+    with pytest.raises(ValueError, match="trains token embedding rows"):
+        train(_config(tiny, data, tmp_path / "rows", init_lora=str(tokens)))

@@ -38,12 +38,13 @@ from unimae.adapter import (
     quiet_peft,
     save_merged,
     skip_input_upcast,
+    trained_token_rows,
     write_adapter_meta,
 )
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
-from unimae.files import atomic_write_json, atomic_write_text, remove, replace_folder, writing
+from unimae.files import atomic_write_json, atomic_write_text, read_json, remove, replace_folder, writing
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_device, resolve_precision, weight_dtype
@@ -342,6 +343,11 @@ def _load_init_lora(config: TrainConfig, objective: torch.nn.Module, fingerprint
         raise ValueError(f"--init-lora {source} was trained on another base model ({meta.base_model})")
     if meta.init_adapter or (source / INIT_ADAPTER).exists():
         raise ValueError(f"--init-lora {source} was trained on top of another adapter; start from one LoRA")
+    if trained_token_rows(read_json(source / "adapter_config.json", "adapter config")):
+        raise ValueError(
+            f"--init-lora {source} also trains token embedding rows (GEM's summary tokens, a trained mask token), "
+            "which a LoRA start would drop; start from it with --init-adapter (merged into the base) instead"
+        )
     _load_lora_weights(objective.llm, source, "--init-lora")
 
 
