@@ -65,6 +65,14 @@ def test_unimae_rotation_fits_the_adapters_prefixes_and_encode_uses_it(tiny_mode
     assert not np.allclose(after.encode(texts, normalize=True, dimensions=4), before.encode(texts, True, dimensions=4))
 
 
+def test_a_refit_that_fails_keeps_the_rotation_the_adapter_had(tiny_model_dirs, rotated_adapter):
+    adapter, _ = rotated_adapter
+    had = embedding_spec(adapter).rotation
+    args = ["rotation", "--adapter", str(adapter), "--max-length", "32", "--precision", "fp32"]
+    assert main([*args, "--pairs-per-source", "10"]) == 2  # 20 texts cannot fit 64 coordinates
+    assert embedding_spec(adapter).rotation == had and load_rotation(adapter, had).shape == (64, 64)
+
+
 def test_a_missing_or_other_rotation_is_a_clear_error(tiny_model_dirs, rotated_adapter):
     adapter, _ = rotated_adapter
     path = adapter / ROTATION_FILE

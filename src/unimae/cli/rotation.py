@@ -32,7 +32,7 @@ def add_rotation_parser(sub: argparse._SubParsersAction) -> None:
 def _rotation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from unimae.adapter import adapter_meta, fit_adapter_rotation, forget_rotation
+    from unimae.adapter import adapter_meta, fit_adapter_rotation, forget_rotation, write_adapter_meta
     from unimae.data.pairs import sample_pair_texts
     from unimae.encoder import Encoder
 
@@ -47,12 +47,19 @@ def _rotation(args: argparse.Namespace) -> int:
         raise ValueError(f"{folder}'s unimae.json names no base model: pass --model")
     texts = sample_pair_texts(data, args.pairs_per_source, args.seed)
     forget_rotation(folder)  # refitted from the unrotated vectors (a missing or damaged file is no obstacle)
-    encoder = Encoder.from_pretrained(model, adapter=str(folder), max_length=args.max_length, precision=args.precision)
-    if len(texts) < encoder.embedding_dim:
-        raise ValueError(
-            f"{len(texts)} texts cannot fit a rotation of {encoder.embedding_dim} coordinates: raise --pairs-per-source"
+    try:
+        encoder = Encoder.from_pretrained(
+            model, adapter=str(folder), max_length=args.max_length, precision=args.precision
         )
-    key, kept = fit_adapter_rotation(encoder, folder, texts, args.batch_size)
+        if len(texts) < encoder.embedding_dim:
+            raise ValueError(
+                f"{len(texts)} texts cannot fit a rotation of {encoder.embedding_dim} coordinates: "
+                "raise --pairs-per-source"
+            )
+        key, kept = fit_adapter_rotation(encoder, folder, texts, args.batch_size)
+    except BaseException:
+        write_adapter_meta(folder, meta)  # a fit that did not finish: the adapter keeps the rotation it had
+        raise
     shares = ", ".join(f"{k}: {kept[k - 1]:.1%}" for k in (64, 128, 256) if k < len(kept))
     print(
         f"wrote {folder}/matryoshka_rotation.safetensors (rotation {key}, {len(texts)} texts); variance kept by "
