@@ -134,8 +134,8 @@ def test_check_passes_its_options_and_writes_the_rows(monkeypatch, tmp_path, cap
     calls = _record(monkeypatch, "unimae.evaluation.check.run_check", result)
     out = tmp_path / "check.json"
     argv = ["check", "--model", "m", "--adapter", "a", "--sts", "s.jsonl", "--max-paragraphs", "5", "--device", "cpu"]
-    assert main([*argv, "--output", str(out)]) == 0
-    assert calls == [(("m", "a"), {"sts": "s.jsonl", "max_paragraphs": 5, "device": "cpu"})]
+    assert main([*argv, "--precision", "fp32", "--output", str(out)]) == 0
+    assert calls == [(("m", "a"), {"sts": "s.jsonl", "max_paragraphs": 5, "device": "cpu", "precision": "fp32"})]
     printed = capsys.readouterr().out
     assert "| base eos | STSBenchmark test Spearman | 12.35 |" in printed and "(base): 'Paris'" in printed
     assert json.loads(out.read_text()) == {

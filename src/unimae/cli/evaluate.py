@@ -149,7 +149,14 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> int:
     from unimae.evaluation.check import run_check
 
-    result = run_check(args.model, args.adapter, sts=args.sts, max_paragraphs=args.max_paragraphs, device=args.device)
+    result = run_check(
+        args.model,
+        args.adapter,
+        sts=args.sts,
+        max_paragraphs=args.max_paragraphs,
+        device=args.device,
+        precision=args.precision,
+    )
     print(result.table())
     for name, text in result.generation.items():
         print(f"\ngeneration ({name}): {text!r}")

@@ -71,15 +71,17 @@ def run_check(
     prompt: str = "The capital of France is",
     max_length: int = 128,
     device: str = "auto",
+    precision: str = "auto",
 ) -> CheckResult:
-    """Base mean, base eos and (with ``adapter``) trained eos on STSB and held-out halves, on ``device``."""
+    """Base mean, base eos and (with ``adapter``) trained eos on STSB and held-out halves, on ``device`` in
+    ``precision`` (see :class:`~unimae.encoder.Encoder`)."""
     if sts is None:
         data = find_data_dir()
         sts = str(data / STSB_RELATIVE) if data and (data / STSB_RELATIVE).is_file() else None
     pairs = load_sts_pairs(sts) if sts else None
     paragraphs = enwiki_gensim_paragraphs("heldout")[:max_paragraphs]
     encoder = Encoder.from_pretrained(
-        model, adapter=adapter, pooling="eos", merge=False, max_length=max_length, device=device
+        model, adapter=adapter, pooling="eos", merge=False, max_length=max_length, device=device, precision=precision
     )
     settings = [("base mean", "mean", False), ("base eos", "eos", False)]
     if adapter:
