@@ -197,6 +197,9 @@ def test_two_phase_learning_rate_and_exact_resume(tiny_model_dirs, corpus_file, 
     w1 = load_file(straight.adapter_dir / "adapter_model.safetensors")
     w2 = load_file(resumed.adapter_dir / "adapter_model.safetensors")
     assert all(torch.allclose(w1[k], w2[k], atol=1e-6) for k in w1)
+    # past the switch, the cosine is under way: another --steps would bend the schedule the run has followed
+    with pytest.raises(ValueError, match="steps 4 -> 6"):
+        train(_train_config(tiny, corpus_file, tmp_path / "straight", **{**overrides, "steps": 6}), resume=True)
 
 
 def test_spare_tokens_position_option_and_bad_flags(tiny_model_dirs):

@@ -174,8 +174,9 @@ _RESUME_MAY_CHANGE = {
 }  # fmt: skip
 
 
-def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
-    """Check a checkpoint belongs to this base and configuration, then load its trainable weights."""
+def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, fingerprint: str, fixed=()) -> None:
+    """Check a checkpoint belongs to this base and configuration (``fixed``: settings the method's run depends
+    on, which a resume may not change after all), then load its trainable weights."""
     out = config.output_dir
     if state["fingerprint"] != fingerprint:
         raise ValueError(
@@ -193,13 +194,14 @@ def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, finge
                 "resume with the run's own config.json"
             )
     saved, ours = flat_values(state.get("config", {})), config.flat()  # older runs saved it flat
+    may_change = _RESUME_MAY_CHANGE - set(fixed)
     changed = [
         f"{k} {saved[k]!r} -> {ours[k]!r}"
-        for k in sorted((saved.keys() & ours.keys()) - _RESUME_MAY_CHANGE)
+        for k in sorted((saved.keys() & ours.keys()) - may_change)
         if saved[k] != ours[k]
     ]
     if changed:
-        free = _RESUME_MAY_CHANGE - {"model", "recipe", "output_dir"}
+        free = may_change - {"model", "recipe", "output_dir"}
         flags = ", ".join(sorted("--" + k.replace("_", "-") for k in free))
         raise ValueError(
             f"--resume: these settings differ from the run in {out} ({', '.join(changed)}), so it would not "
@@ -226,7 +228,7 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()
     if state is not None:
-        _restore(state, config, objective, fingerprint)
+        _restore(state, config, objective, fingerprint, method.fixed_on_resume(state["step"]))
     if config.init_lora and state is None and not config.continue_adapter:
         _load_init_lora(config, objective, fingerprint)
     if config.continue_adapter and state is None:

@@ -85,6 +85,11 @@ class Method:
         """Extra ``peft.LoraConfig`` fields (e.g. ``trainable_token_indices``); none by default."""
         return {}
 
+    def fixed_on_resume(self, step: int) -> set[str]:
+        """Settings a ``--resume`` from ``step`` may otherwise change that this method's run so far depends on
+        (a schedule over ``--steps`` already under way); none by default."""
+        return set()
+
     def lr_lambda(self, step: int) -> float:
         """Multiplier of ``--lr`` at 0-based optimizer step ``step`` (the trainer's ``LambdaLR``); a pure
         function of the step, so resume reproduces it. Default 1.0: constant (UniMAE paper App. C)."""

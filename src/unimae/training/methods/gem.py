@@ -243,6 +243,10 @@ class GEM(Method):
     def lora_extra(self) -> dict:
         return {"trainable_token_indices": list(self.summary_ids)} if self.options.gem_train_summary_rows else {}
 
+    def fixed_on_resume(self, step: int) -> set[str]:
+        cosine = self.options.gem_lr_schedule != "constant" and step > self.options.gem_switch_step
+        return {"steps"} if cosine else set()  # a cosine under way ends at --steps: another would bend it
+
     def lr_lambda(self, step: int) -> float:
         """1 (``--lr``) for the NTP steps, then ``--gem-contrastive-lr-scale`` decayed by a cosine to 0 at
         ``--steps`` (or constant)."""
