@@ -171,6 +171,13 @@ def test_continue_adapter_picks_up_its_weights_step_and_data_order(tiny_model_di
                 continue_adapter=str(Path(tmp_path / "a" / "adapter")),
             )
         )
+    source = str(tmp_path / "a" / "adapter")  # trained on the base alone, its LoRA started fresh
+    with pytest.raises(ValueError, match="is not the stage --continue-adapter"):
+        train(
+            _config(tiny, data, tmp_path / "e", steps=4, continue_adapter=source, init_adapter=str(whole / "adapter"))
+        )
+    with pytest.raises(ValueError, match="is not the LoRA --continue-adapter"):
+        train(_config(tiny, data, tmp_path / "f", steps=4, continue_adapter=source, init_lora=str(whole / "adapter")))
 
 
 def test_server_input_type_and_dimensions(tiny_model_dirs):

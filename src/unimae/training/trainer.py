@@ -313,9 +313,19 @@ def _with_continued_init(config: TrainConfig) -> TrainConfig:
     if held >= config.steps:
         raise ValueError(f"--continue-adapter {source} already holds {held} steps; pass --steps above {held}")
     inner = source / INIT_ADAPTER
-    if inner.is_dir() and not config.init_adapter:
-        return dataclasses.replace(config, init_adapter=str(inner))
-    return config
+    if config.init_adapter and not (
+        inner.is_dir() and adapter_revision(str(inner)) == adapter_revision(config.init_adapter)
+    ):
+        raise ValueError(
+            f"--init-adapter {config.init_adapter} is not the stage --continue-adapter {source} was trained on "
+            f"({'its ' + INIT_ADAPTER + '/' if inner.is_dir() else 'the base model alone'}); drop --init-adapter"
+        )
+    recorded = adapter_meta(source).init_lora_revision
+    if config.init_lora and Path(config.init_lora).is_dir() and adapter_revision(config.init_lora) != recorded:
+        raise ValueError(
+            f"--init-lora {config.init_lora} is not the LoRA --continue-adapter {source} started from; drop --init-lora"
+        )
+    return dataclasses.replace(config, init_adapter=str(inner)) if inner.is_dir() else config
 
 
 def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
@@ -496,7 +506,7 @@ def _save_adapter(run: _Run, step: int) -> Path:
         mask_token=run.meta["mask_token"],
         method=config.method,
         init_adapter=INIT_ADAPTER if config.init_adapter else None,
-        init_lora_revision=adapter_revision(config.init_lora) if config.init_lora else None,
+        init_lora_revision=_init_lora_revision(config),
         training_config=config.to_dict(),
         continued_from_step=continued_step(config) if config.continue_adapter else None,
     )
@@ -506,6 +516,14 @@ def _save_adapter(run: _Run, step: int) -> Path:
     if config.merge and not config.full_params:
         save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
     return adapter_dir
+
+
+def _init_lora_revision(config: TrainConfig) -> str | None:
+    """The revision of the LoRA this run's LoRA started from: a continued adapter's own record, else
+    ``--init-lora``'s weights (None where that folder is gone: a later sitting on another machine)."""
+    if config.continue_adapter:
+        return adapter_meta(config.continue_adapter).init_lora_revision
+    return adapter_revision(config.init_lora) if config.init_lora and Path(config.init_lora).is_dir() else None
 
 
 def _start_log(run: _Run, start: int) -> Path:
