@@ -164,8 +164,11 @@ def test_v1_rag_answers_from_a_disk_store(tiny_model_dirs, tmp_path):
     with TestClient(create_app(encoder, ServerConfig(max_new_tokens=8), index)) as client:
         answer = client.post("/v1/rag", json={"query": SENTENCES[4], "k": 2, "max_tokens": 4})
         health = client.get("/health").json()
+        _break_last_line(tmp_path / "idx" / "passages.jsonl")  # read per hit: damaged while serving
+        damaged = client.post("/v1/rag", json={"query": SENTENCES[4], "k": len(PASSAGES), "max_tokens": 4})
     assert answer.status_code == 200, answer.text
     assert answer.json()["passages"][0]["id"] == "p4" and health["index_passages"] == len(PASSAGES)
+    assert damaged.status_code == 500 and damaged.json()["error"]["code"] == "index_damaged"  # not the query's fault
 
 
 def _truncate(path):

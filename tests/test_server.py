@@ -325,6 +325,7 @@ def test_more_edge_cases_get_clean_4xx(server):
     )
     assert chunked.status_code == 413 and "limit" in chunked.json()["error"]["message"]
     assert _post(server, "/v1/rag", {"query": "   "}).status_code == 400
+    assert _post(server, "/v1/rag", {"query": "x", "model": "other"}).status_code == 404
     assert _post(server, "/v1/completions", {"prompt": "x", "seed": 2**70}).status_code == 400
     assert _post(server, "/v1/embeddings", content=b"[" * 5000).status_code == 400
     missing = _post(server, "/v1/nothing", {})

@@ -219,6 +219,7 @@ class ChatRequest(_Sampling):
 
 class RAGRequest(BaseModel):
     query: str = Field(min_length=1, max_length=4000)
+    model: str | None = None  # as on the OpenAI routes: another model's name is a 404
     k: int = Field(default=3, ge=1, le=50)
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False

@@ -1,6 +1,6 @@
 """``POST /v1/rag``: retrieve passages from the index and answer from them with the same model.
 
-Body ``{"query", "k", "max_tokens", "stream", "reuse_kv"}``; answer ``rag.answer`` with the passages and
+Body ``{"query", "k", "max_tokens", "stream", "reuse_kv", "model"}``; answer ``rag.answer`` with the passages and
 usage (``cached_prompt_tokens``: the query's embedding pass reused as the prompt's KV cache). Without
 ``max_tokens`` the answer may take the chat default, shortened to the context the question and passages leave.
 Streamed, the events are ``rag.passages``, then ``rag.delta`` text pieces, then the ``rag.answer``. A client
@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from unimae.generation.sampling import GenerationParams
-from unimae.retrieval.index import Hit
+from unimae.retrieval.index import Hit, VectorIndexError
 from unimae.retrieval.rag import RAGAnswer, passages_json
 from unimae.serving.disconnect import client_gone, unless_gone
 from unimae.serving.engine import run_to_end
@@ -32,6 +32,7 @@ router = APIRouter()
 @router.post("/v1/rag", response_model=None)
 async def rag_answer(request: Request, state: StateDep) -> dict | StreamingResponse:
     body = await parse_request(request, RAGRequest)
+    state.check_model(body.model)
     engine = state.engine
     if not engine.has_index:
         raise APIError(404, "no index is loaded; start the server with --index DIR", code="no_index")
@@ -43,7 +44,7 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
     except BaseException as err:
         state.slots.unreserve()
         if isinstance(err, ValueError):
-            raise APIError(400, str(err), "query") from err
+            raise _client_or_index_error(err) from err
         raise
     if not body.max_tokens and engine.context is not None:  # as chat: the default answer shrinks to fit
         budget = min(budget, engine.context - len(prompt.ids))
@@ -59,10 +60,17 @@ async def rag_answer(request: Request, state: StateDep) -> dict | StreamingRespo
             work = run_in_threadpool(lambda: run_to_end(run()))
             answer: RAGAnswer = await unless_gone(work, gone, "its answer", stop=cancel)
     except ValueError as err:
-        raise APIError(400, str(err), "query") from err
+        raise _client_or_index_error(err) from err
     finally:
         gone.cancel()
     return answer.to_json(model)
+
+
+def _client_or_index_error(err: ValueError) -> APIError:
+    """A question the model cannot take is the client's (400); a damaged index file is the server's (500)."""
+    if isinstance(err, VectorIndexError):
+        return APIError(500, f"the server's index cannot be read: {err}", code="index_damaged")
+    return APIError(400, str(err), "query")
 
 
 def _event(model: str, item: list[Hit] | str | RAGAnswer) -> dict:
