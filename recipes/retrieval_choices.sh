@@ -13,8 +13,9 @@
 #   mrl         Matryoshka dimensions without the prompts (with `prompts`, separates the two changes)
 #   base-start  prompts-mrl without the UniMAE stage (the supervised LoRA on the base model)
 #   t0.02       prompts-mrl at temperature 0.02
+#   prompts-drop  prompts with --query-prompt-dropout 0.5 (half the asymmetric queries trained unprompted)
 # Environment: MODEL, RUNS, OUT, PAIRS (the wiki inverse-cloze pairs; built if absent), STEPS, BATCH, CHUNK,
-# EVAL_MAX_LENGTH, VARIANTS, UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh).
+# EVAL_MAX_LENGTH, VARIANTS (the summary keeps every variant scored so far), UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -47,6 +48,7 @@ for variant in $VARIANTS; do
     mrl) flags=("${mrl_flags[@]}") ;;
     base-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=() ;;
     t0.02) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --temperature 0.02) ;;
+    prompts-drop) flags=("${prompt_flags[@]}" --query-prompt-dropout 0.5) ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
   esac
   if [ ${#init[@]} -gt 0 ]; then
@@ -59,8 +61,8 @@ for variant in $VARIANTS; do
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/choices/$variant/adapter" --tasks dev \
     --data-dir "$DATA" --output-dir "$OUT" --label "$variant" --max-length "$EVAL_MAX_LENGTH"
 done
-done_labels=()
-for variant in $VARIANTS; do
+done_labels=()  # every variant scored so far, in this order (a later sitting's VARIANTS adds rows, drops none)
+for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop; do
   [ -f "$OUT/$variant/run.json" ] && done_labels+=("$variant")
 done
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks dev --name summary --labels "${done_labels[@]}"

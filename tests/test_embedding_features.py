@@ -120,6 +120,25 @@ def test_collate_prompts_asymmetric_sources_only(tiny_model_dirs, tmp_path):
         _method(tokenizer, data=data, symmetric_sources="nli").load_data()
 
 
+def test_query_prompt_dropout_leaves_a_seeded_share_of_queries_unprompted(tiny_model_dirs, tmp_path):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    data = _write(tmp_path / "qa.jsonl", _records(6, negatives=False))
+    data = str(data)
+    method = _method(tokenizer, data=data, query_prompt=QUERY, query_prompt_dropout=0.5)
+    prefixes = [method._query_prefix(QUERY, i) for i in range(400)]
+    assert 150 < prefixes.count("") < 250 and set(prefixes) == {"", QUERY}  # about half, no other text
+    again = _method(tokenizer, data=data, query_prompt=QUERY, query_prompt_dropout=0.5)
+    assert [again._query_prefix(QUERY, i) for i in range(400)] == prefixes  # a function of (seed, index)
+    rows = method.load_data()
+    batch = method.collate(rows, list(range(len(rows))))["input_ids"]
+    texts = [prefixes[i] + r["query"] for i, r in enumerate(rows)] + [r["positive"] for r in rows]
+    assert torch.equal(batch, pooled_batch(tokenizer, texts, 24, EmbeddingSpec())["input_ids"])
+    plain = _method(tokenizer, data=data, query_prompt=QUERY)
+    assert all(plain._query_prefix(QUERY, i) == QUERY for i in range(50))  # the default: every query prompted
+    with pytest.raises(ValueError, match=r"query-prompt-dropout must be in \[0, 1\]"):
+        _method(tokenizer, data=data, query_prompt=QUERY, query_prompt_dropout=1.5)
+
+
 def test_trained_adapter_carries_prompts_and_dimensions(tiny_model_dirs, tmp_path):
     data = _write(tmp_path / "pairs.jsonl", _records(12))
     out = tmp_path / "run"

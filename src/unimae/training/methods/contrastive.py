@@ -11,6 +11,9 @@ causal attention and the [EOS] state after UniMAE, so generation and KV reuse ar
 Prompts (``--query-prompt``, ``--document-prompt``): the queries (and documents) of every source but
 ``--symmetric-sources`` are embedded after the prompt's text; a symmetric source's pairs (paraphrases, NLI)
 take none, as texts are embedded outside retrieval. The prompts are saved in the adapter's spec.
+``--query-prompt-dropout p`` trains a share p of the asymmetric queries without the prompt (a choice of this
+project, not of the papers: short unprompted texts, which mteb embeds without a prompt outside retrieval, stay in
+the training distribution).
 ``--matryoshka-dims`` sums InfoNCE over the full vector and each truncated prefix (see
 :class:`~unimae.losses.supervised_contrastive.ContrastiveObjective`); the dimensions are saved in the spec as well.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +91,14 @@ class ContrastiveOptions(InfoNCEOptions):
             "input_type=query); empty: no prompts."
         },
     )
+    query_prompt_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "Share of asymmetric queries trained without --query-prompt (each drawn from the seed and the "
+            "example's index, so resume and any process split give the same): short unprompted texts stay in the "
+            "training distribution beside prompted queries (0: every query gets it)."
+        },
+    )
     document_prompt: str = field(
         default="",
         metadata={
@@ -138,6 +150,8 @@ class ContrastiveOptions(InfoNCEOptions):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         parse_dims(self.matryoshka_dims)  # a ValueError naming --matryoshka-dims
+        if not 0 <= self.query_prompt_dropout <= 1:
+            raise ValueError(f"--query-prompt-dropout must be in [0, 1], got {self.query_prompt_dropout}")
         self._check_grad_cache(config, world_size)
 
     def _check_grad_cache(self, config: TrainConfig, world_size: int) -> None:
@@ -199,7 +213,8 @@ class Contrastive(Method):
 
     def collate(self, records, indices):
         query, document = self._prompts(r.get("source") for r in records)
-        texts = [query + r["query"] for r in records] + [document + r["positive"] for r in records]
+        queries = [self._query_prefix(query, i) + r["query"] for r, i in zip(records, indices, strict=True)]
+        texts = queries + [document + r["positive"] for r in records]
         texts += [document + r["negative"] for r in records if r.get("negative")]
         extra = {"num_queries": len(records)}
         if self.options.mask_false_negatives:
@@ -213,6 +228,14 @@ class Contrastive(Method):
         if set(sources) & self.options.symmetric:
             return "", ""
         return self.options.query_prompt, self.options.document_prompt
+
+    def _query_prefix(self, prompt: str, index: int) -> str:
+        """``prompt``, or '' for the share ``--query-prompt-dropout`` of queries, drawn from (seed, global example
+        index) alone: the same queries lose it on resume and on any split over processes."""
+        dropout = self.options.query_prompt_dropout
+        if not prompt or not dropout:
+            return prompt
+        return "" if random.Random(f"{self.config.seed}/{index}").random() < dropout else prompt
 
     def embedding_spec(self) -> EmbeddingSpec:
         o = self.options
