@@ -422,8 +422,10 @@ def rag_worker(mode: str, args) -> dict:
                 precision, adapter_merged = "fp32", False  # recorded in the index manifest
 
                 @staticmethod
-                def encode(texts, batch_size=32, normalize=True, show_progress=False):
+                def encode(texts, batch_size=32, normalize=True, show_progress=False, **kwargs):
                     return minilm.encode(texts, batch_size=batch_size, normalize_embeddings=True)
+
+                encode_document = encode_query = encode  # MiniLM has no prompts
 
             index = VectorIndex.build(MiniLMEncoder, passages, tmp, IndexConfig())
             build = time.perf_counter() - build_start
