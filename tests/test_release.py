@@ -207,3 +207,20 @@ def test_an_index_opens_with_its_release_by_name(tiny_model_dirs, adapter, tmp_p
     loaded, index = load_index_and_encoder(tmp_path / "idx", adapter="tiny-retriever", precision="fp32")
     assert index.manifest["adapter_revision"] == loaded.source["adapter_revision"] == adapter_revision(str(out))
     assert index.search(loaded.encode_document(["the cat sat"], normalize=True), k=1)[0][0].id == "a"
+
+
+def test_a_card_of_a_release_made_again_accepts_results_of_its_bf16_weights(adapter, tmp_path):
+    """The stop rule restores a release's files as the run's adapter: results scored on those bf16 weights describe
+    the release as well as its fp32 source's do."""
+    from unimae.adapter import adapter_revision
+    from unimae.release import release_revisions, source_revision
+
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases")
+    assert release_revisions(adapter) == (source_revision(adapter),)
+    assert release_revisions(out) == (source_revision(adapter), adapter_revision(str(out)))
+    dev = tmp_path / "dev"
+    _task_result(dev, "STS17")
+    (dev / "run.json").write_text(json.dumps({"revision": adapter_revision(str(out))}))
+    assert "STS17" in build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), release_revisions(out))
+    with pytest.raises(ValueError, match="not of the adapter released"):
+        build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), source_revision(adapter))

@@ -136,6 +136,13 @@ def source_revision(adapter: str | Path) -> str:
     return meta.release.source_revision if meta.release else adapter_revision(adapter)
 
 
+def release_revisions(adapter: str | Path) -> tuple[str, ...]:
+    """The revisions whose results describe a release made from ``adapter``: the trained adapter's
+    (:func:`source_revision`) and, where they differ (``adapter`` is itself a release, or a copy of one), its
+    bf16 weights' own."""
+    return tuple(dict.fromkeys((source_revision(adapter), adapter_revision(adapter))))
+
+
 def release_meta(release: str | Path) -> AdapterMeta:
     """The ``unimae.json`` of a release folder (an error when it has none)."""
     return AdapterMeta.from_dict(read_json(Path(release) / ADAPTER_META, "release metadata"))

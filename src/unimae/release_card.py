@@ -57,9 +57,13 @@ class CardInputs:
     command: str = ""  # the recipe command that trained it
 
 
-def build_card(inputs: CardInputs, meta: AdapterMeta, revision: str | None = None) -> str:
+Revision = str | tuple[str, ...] | None  # one adapter revision, several that are one model, or None: any
+
+
+def build_card(inputs: CardInputs, meta: AdapterMeta, revision: Revision = None) -> str:
     """The whole card: YAML front matter, then the sections. ``revision``: the released adapter's (its fp32
-    weights' content hash); the dev results must be that adapter's, or the card would describe another model."""
+    weights' content hash, and its bf16 weights' once the release exists: :func:`unimae.release.release_revisions`);
+    the dev results must be that adapter's, or the card would describe another model."""
     check_results_belong(inputs.dev_results, revision)
     tasks = _dev_scores(inputs.dev_results)
     sections = [
@@ -73,11 +77,16 @@ def build_card(inputs: CardInputs, meta: AdapterMeta, revision: str | None = Non
     return "\n".join(s for s in sections if s)
 
 
-def check_results_belong(folder: Path, revision: str | None) -> None:
+def accepts(revision: Revision, scored: str | None) -> bool:
+    """Whether a result measured for adapter revision ``scored`` describes the adapter of ``revision``."""
+    return revision is None or scored in ((revision,) if isinstance(revision, str) else revision)
+
+
+def check_results_belong(folder: Path, revision: Revision) -> None:
     """ValueError unless the dev-suite folder was evaluated for the adapter of ``revision`` (its run.json)."""
     run = Path(folder) / "run.json"
     scored = read_json(run, "run record").get("revision") if run.is_file() else None
-    if revision is not None and scored != revision:
+    if not accepts(revision, scored):
         raise ValueError(
             f"{folder} holds the results of adapter revision {scored}, not of the adapter released ({revision}); "
             "evaluate the adapter into its own folder first"
@@ -169,7 +178,7 @@ unimae serve --model {model} --adapter {name} --index runs/index   # /v1/embeddi
 """
 
 
-def _results(inputs: CardInputs, tasks: dict[str, dict], revision: str | None) -> str:
+def _results(inputs: CardInputs, tasks: dict[str, dict], revision: Revision) -> str:
     parts = ["## Results\n"]
     if not tasks:
         return "## Results\n\nNot evaluated yet.\n"
@@ -216,16 +225,16 @@ def _fmt(value) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
 
 
-def _own(path: Path | None, revision: str | None) -> dict | None:
+def _own(path: Path | None, revision: Revision) -> dict | None:
     """The JSON at ``path`` if it was measured for the adapter of ``revision`` (its ``revision`` field; any
     revision when None), else None: a card quotes only the released adapter's own measurements."""
     if path is None or not Path(path).is_file():
         return None
     data = read_json(path, "result file")
-    return data if revision is None or data.get("revision") == revision else None
+    return data if accepts(revision, data.get("revision")) else None
 
 
-def _generation_lines(inputs: CardInputs, revision: str | None) -> str:
+def _generation_lines(inputs: CardInputs, revision: Revision) -> str:
     lines = []
     for label, path, rev in (
         ("this adapter", inputs.generation, revision),
@@ -242,7 +251,7 @@ def _generation_lines(inputs: CardInputs, revision: str | None) -> str:
             )
     if inputs.repetition is not None and Path(inputs.repetition).is_file():
         rows = read_json(inputs.repetition, "repetition result")
-        own = [r for r in rows.values() if isinstance(r, dict) and (revision is None or r.get("revision") == revision)]
+        own = [r for r in rows.values() if isinstance(r, dict) and accepts(revision, r.get("revision"))]
         base = rows.get("base") if isinstance(rows.get("base"), dict) else None
         if own and base and "repeated_trigrams" in own[0]:
             lines.append(
@@ -252,7 +261,7 @@ def _generation_lines(inputs: CardInputs, revision: str | None) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def _rag_lines(inputs: CardInputs, revision: str | None) -> str:
+def _rag_lines(inputs: CardInputs, revision: Revision) -> str:
     data = _own(inputs.rag, revision)  # benchmarks/load_test.py's JSON
     if data is None:
         return ""

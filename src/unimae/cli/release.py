@@ -32,7 +32,7 @@ def add_release_parser(sub: argparse._SubParsersAction) -> None:
 
 def _release(args: argparse.Namespace) -> int:
     from unimae.files import atomic_write_text
-    from unimae.release import REPOSITORY_RELEASES, check_release_name, make_release, release_meta
+    from unimae.release import REPOSITORY_RELEASES, check_release_name, make_release, release_meta, release_revisions
     from unimae.release_card import CardInputs, build_card
 
     check_release_name(args.name)
@@ -53,16 +53,15 @@ def _release(args: argparse.Namespace) -> int:
     )
     if args.card_only:
         meta = release_meta(inputs.release)
-        card = build_card(inputs, meta, meta.release.source_revision if meta.release else None)
+        card = build_card(inputs, meta, release_revisions(inputs.release))
         atomic_write_text(inputs.release / "README.md", card)
         print(f"wrote the model card of {inputs.release}")
         return 0
     if not args.adapter:
         raise ValueError("--adapter is needed to write a release (or pass --card-only)")
     from unimae.adapter import adapter_meta
-    from unimae.release import source_revision
 
-    card = build_card(inputs, adapter_meta(args.adapter), source_revision(args.adapter))
+    card = build_card(inputs, adapter_meta(args.adapter), release_revisions(args.adapter))
     out = make_release(args.adapter, args.name, root, card=card)
     print(f"wrote release {out}")
     return 0
