@@ -273,7 +273,7 @@ if [ "$RAG_QUESTIONS" -gt 0 ]; then
     --questions "$RAG_QUESTIONS" --output "$OUT/rag.json"
 fi
 if [ "$GENERATION" = 1 ]; then
-  $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "retrieval=$final"
+  $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "release=$final"  # own label: earlier rows stay
   $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
     --output-dir "results/generation-$SHORT/retrieval"
   $UNIMAE evaluate generation --model "$MODEL" --data-dir "$DATA" --output-dir "results/generation-$SHORT/base-full-scorer"
