@@ -172,6 +172,8 @@ def test_a_release_name_is_one_folder_and_a_stopped_swap_loses_no_release(adapte
     assert (root / "kept").is_dir() and sorted(p.name for p in root.iterdir()) == ["kept"]
     assert main(["release", "--adapter", str(adapter), "--name", "", "--root", str(root), "--dev-results", "x"]) == 2
     old = make_release(adapter, "r", root)
+    first = (old / "adapter_model.safetensors").read_bytes()
+    assert (make_release(adapter, "r", root) / "adapter_model.safetensors").read_bytes() == first  # same weights
     old.rename(root / ".r.old")  # a swap stopped between moving the old release aside and moving the new one in
     partial = root / ".r.partial"
     partial.mkdir()

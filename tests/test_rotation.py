@@ -135,6 +135,10 @@ def test_the_rotation_travels_into_a_release_and_the_sentence_transformers_expor
     assert np.array_equal(load_rotation(released, spec.rotation), load_rotation(adapter, spec.rotation))
     again = make_release(released, "tiny-release", root=tmp_path / "again", card="card")  # a release made again
     assert np.array_equal(load_rotation(again, spec.rotation), load_rotation(adapter, spec.rotation))
+    weights = (released / "adapter_model.safetensors").read_bytes()
+    for _ in range(3):  # the same weights released again keep their bytes (safetensors orders metadata keys freely)
+        make_release(adapter, "tiny-release", root=tmp_path / "releases", card="card")
+        assert (released / "adapter_model.safetensors").read_bytes() == weights
     tiny = str(tiny_model_dirs["llama"])
     ours = Encoder.from_pretrained(tiny, adapter=str(adapter), precision="fp32", max_length=32)
     exported = export(tiny, str(adapter), tmp_path / "st", fmt="sentence-transformers", max_length=32)

@@ -114,12 +114,31 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     if meta.embedding.rotation:  # checked, then carried in the weights file (a release is its four files)
         metadata.update(rotation_metadata(load_rotation(source, meta.embedding.rotation)))
     save_file(weights, partial / "adapter_model.safetensors", metadata=metadata)
+    _keep_unchanged_weights(out / "adapter_model.safetensors", partial / "adapter_model.safetensors")
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
     release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=source_revision(source))
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
     replace_folder(partial, out)
     return out
+
+
+def _keep_unchanged_weights(released: Path, written: Path) -> None:
+    """Put the released file's bytes back in ``written`` when it holds the same tensors and metadata: safetensors
+    orders the metadata keys as it likes, and the release's revision (a hash of the bytes) should name its weights,
+    not the write."""
+    from safetensors import safe_open
+
+    if not released.is_file():
+        return
+    try:
+        with safe_open(released, "pt") as old, safe_open(written, "pt") as new:
+            same = old.metadata() == new.metadata() and sorted(old.keys()) == sorted(new.keys())
+            same = same and all(torch.equal(old.get_tensor(k), new.get_tensor(k)) for k in old.keys())
+    except Exception:  # noqa: BLE001 - a damaged earlier release is simply replaced
+        return
+    if same:
+        shutil.copyfile(released, written)
 
 
 def check_release_name(name: str) -> None:
