@@ -226,3 +226,14 @@ def test_a_card_of_a_release_made_again_accepts_results_of_its_bf16_weights(adap
     assert "STS17" in build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), release_revisions(out))
     with pytest.raises(ValueError, match="not of the adapter released"):
         build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), source_revision(adapter))
+
+
+def test_a_cards_summary_table_shows_the_released_results_once(adapter, tmp_path):
+    dev = tmp_path / "retrieval-eos"
+    score = _task_result(dev, "STS17")
+    shutil.copy(SCORED / "run.json", dev / "run.json")
+    summary = tmp_path / "summary.json"
+    rows = {"retrieval-eos": {"tasks": {"STS17": score}, "average": score}, "other": {"tasks": {"STS17": 1.0}}}
+    summary.write_text(json.dumps(rows))
+    card = build_card(CardInputs("tiny-retriever", tmp_path, dev, summary=summary), AdapterMeta())
+    assert "| tiny-retriever |" in card and "| other |" in card and "| retrieval-eos |" not in card

@@ -198,21 +198,24 @@ def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
     text = f"Dev suite ({len(tasks)} MTEB tasks, official mteb evaluators, main score x 100, "
     text += f"texts up to {length} tokens):\n\n"
     if inputs.summary is not None and Path(inputs.summary).is_file():
-        return text + _summary_json_table(Path(inputs.summary), first=(inputs.name, rows[0]))
+        own = Path(inputs.dev_results).name  # the summary's row of these results: shown once, as the release's
+        return text + _summary_json_table(Path(inputs.summary), first=(inputs.name, rows[0]), drop=own)
     header, cells = summary_table(rows)
     return text + markdown_table(header, cells) + "\n"
 
 
-def _summary_json_table(path: Path, first=None) -> str:
-    """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads. A row
-    with missing tasks shows its scores but no average (it would not be the suite's)."""
+def _summary_json_table(path: Path, first=None, drop: str | None = None) -> str:
+    """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads, in
+    place of the row ``drop`` (the same results under the summary's label). A row with missing tasks shows its
+    scores but no average (it would not be the suite's)."""
     data = read_json(path, "result file")
     tasks = sorted({t for entry in data.values() for t in entry.get("tasks", {})})
     lines = ["| model | average | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 2) + "|"]
     entries = list(data.items())
     if first is not None:
         label, row = first
-        entries = [(label, {"tasks": row.task_scores, "average": row.average})] + [e for e in entries if e[0] != label]
+        others = [e for e in entries if e[0] not in (label, drop)]
+        entries = [(label, {"tasks": row.task_scores, "average": row.average}), *others]
     for label, entry in entries:
         scores = entry.get("tasks", {})
         cells = [_fmt(scores.get(t)) for t in tasks]
