@@ -8,10 +8,12 @@ import json
 import signal
 
 import pytest
+import torch
 from conftest import read_log, short_train_config, tiny_train_config
 
 from unimae.cli import main
 from unimae.data.order import DataOrder
+from unimae.files import file_sha256
 from unimae.training import trainer
 from unimae.training.checkpoint import CheckpointError, checkpoint_dir
 from unimae.training.trainer import train
@@ -141,6 +143,17 @@ def test_resume_with_other_settings_names_them_and_writes_nothing(tiny_model_dir
     with pytest.raises(ValueError, match=r"differ from the run .*lr 0\.005 -> 0\.001, seed 0 -> 1"):
         train(tiny_train_config(tiny, corpus_file, out, steps=3, seed=1, lr=1e-3), resume=True)
     assert (out / "log.jsonl").read_text() == log and _checkpoints(out) == ["step-000001", "step-000002"]
+    # a setting the run predates counts as its default: set otherwise, it would change the run
+    path = out / "checkpoints" / "step-000002" / "state.pt"
+    written, checksum = path.read_bytes(), path.with_name("state.pt.sha256").read_text()
+    state = torch.load(path, weights_only=True)
+    del state["config"]["lr"]  # as if --lr had come after this run was written
+    torch.save(state, path)
+    path.with_name("state.pt.sha256").write_text(file_sha256(path) + "\n")
+    with pytest.raises(ValueError, match=r"differ from the run .*lr 0\.0001 -> 0\.001"):
+        train(tiny_train_config(tiny, corpus_file, out, steps=3, lr=1e-3), resume=True)
+    path.write_bytes(written)
+    path.with_name("state.pt.sha256").write_text(checksum)
     # its length, checkpointing, threads and the final export may change
     result = train(tiny_train_config(tiny, corpus_file, out, steps=3, save_every=0, threads=1, merge=True), resume=True)
     assert result.steps == 3 and [r["step"] for r in read_log(out)] == [1, 2, 3]

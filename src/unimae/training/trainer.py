@@ -56,7 +56,7 @@ from unimae.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from unimae.training.config import TrainConfig, flat_values
+from unimae.training.config import TrainConfig, flag_defaults, flat_values
 from unimae.training.methods import Context, Method, get_method
 
 logger = logging.getLogger(__name__)
@@ -193,13 +193,8 @@ def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, finge
                 f"checkpoint in {out} does not match this configuration ({problem} such as {names[:3]}); "
                 "resume with the run's own config.json"
             )
-    saved, ours = flat_values(state.get("config", {})), config.flat()  # older runs saved it flat
     may_change = _RESUME_MAY_CHANGE - set(fixed)
-    changed = [
-        f"{k} {saved[k]!r} -> {ours[k]!r}"
-        for k in sorted((saved.keys() & ours.keys()) - may_change)
-        if saved[k] != ours[k]
-    ]
+    changed = _changed_settings(state.get("config", {}), config, may_change)
     if changed:
         free = may_change - {"model", "recipe", "output_dir"}
         flags = ", ".join(sorted("--" + k.replace("_", "-") for k in free))
@@ -209,6 +204,17 @@ def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, finge
             "or train with them into another --output-dir"
         )
     objective.load_state_dict(state["trainable"], strict=False)
+
+
+def _changed_settings(saved_config: dict, config: TrainConfig, free: set[str]) -> list[str]:
+    """'name old -> new' for each setting outside ``free`` where ``config`` differs from a run's saved config (older
+    runs saved it flat); a setting the run predates counts as its default there (a new option left at its default
+    continues the run, set otherwise it would change it)."""
+    saved, ours = flat_values(saved_config), config.flat()
+    saved = {**{k: v for k, v in flag_defaults(config.method).items() if k not in saved and saved}, **saved}
+    return [
+        f"{k} {saved[k]!r} -> {ours[k]!r}" for k in sorted((saved.keys() & ours.keys()) - free) if saved[k] != ours[k]
+    ]
 
 
 def _setup(config: TrainConfig, state: dict | None) -> _Run:
@@ -335,11 +341,8 @@ def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint
     meta = adapter_meta(source)
     if meta.base_fingerprint != fingerprint:
         raise ValueError(f"--continue-adapter {source} was trained on another base model ({meta.base_model})")
-    saved, ours = flat_values(meta.training_config), config.flat()
     free = _RESUME_MAY_CHANGE | {"continue_adapter", "init_adapter", "init_lora"}
-    changed = [
-        f"{k} {saved[k]!r} -> {ours[k]!r}" for k in sorted((saved.keys() & ours.keys()) - free) if saved[k] != ours[k]
-    ]
+    changed = _changed_settings(meta.training_config, config, free)
     if changed:
         raise ValueError(f"--continue-adapter {source}: these settings differ from its run ({', '.join(changed)})")
     _load_lora_weights(objective.llm, source, "--continue-adapter")
