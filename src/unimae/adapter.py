@@ -300,6 +300,17 @@ def model_revision(model: str) -> str | None:
     return digest.hexdigest()[:12]
 
 
+def load_record(model: str, adapter: str | None) -> dict:
+    """What names a base model + adapter in an index manifest: the model and a local folder's weights, the adapter
+    folder and its weights' revision (a rebuilt folder or retrained adapter is another model: not resumed)."""
+    return {
+        "model": model,
+        "model_revision": model_revision(model),
+        "adapter": str(Path(adapter).resolve()) if adapter else None,
+        "adapter_revision": adapter_revision(adapter),
+    }
+
+
 def adapter_meta(adapter: str | Path | None) -> AdapterMeta:
     """The unimae.json written next to an adapter by `unimae train` (an empty AdapterMeta without one)."""
     path = None if adapter is None else Path(adapter) / ADAPTER_META

@@ -15,13 +15,12 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from unimae.adapter import adapter_revision, embedding_spec, load_with_adapter, model_revision, skip_input_upcast
+from unimae.adapter import embedding_spec, load_record, load_with_adapter, skip_input_upcast
 from unimae.embedding.pooling import PooledInput, pool
 from unimae.embedding.rotation import load_rotation
 from unimae.embedding.spec import EmbeddingSpec
@@ -148,12 +147,7 @@ class Encoder:
             skip_input_upcast(llm)  # every forward of an Encoder runs under autocast
         encoder = cls(llm, tokenizer, spec=spec, **kwargs)
         encoder.adapter_merged = merged
-        encoder.source = {
-            "model": model,
-            "model_revision": model_revision(model),
-            "adapter": str(Path(adapter).resolve()) if adapter else None,
-            "adapter_revision": adapter_revision(adapter),
-        }
+        encoder.source = load_record(model, adapter)
         if spec.rotation and adapter is not None:
             encoder.rotation = load_rotation(adapter, spec.rotation)
         return encoder

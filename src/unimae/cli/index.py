@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from unimae.cli.arguments import add_command, add_model_arguments
 from unimae.cli.embed import utf8_argument
@@ -91,19 +90,14 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from unimae.adapter import adapter_revision, model_revision
+    from unimae.adapter import load_record
     from unimae.data.corpus import load_passages
 
     config = _index_config(args)
     passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
     print(f"{len(passages)} passages from {args.corpus}")
-    source = {
-        "model": args.model,
-        "model_revision": model_revision(args.model),  # a local folder's weights: a rebuilt folder is not resumed
-        "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
-        "adapter_revision": adapter_revision(args.adapter),
-        "corpus": args.corpus,
-    }  # the build adds whether the LoRA was merged: queries must be embedded the same way (load_index_and_encoder)
+    source = {**load_record(args.model, args.adapter), "corpus": args.corpus}
+    # the build adds whether the LoRA was merged: queries must be embedded the same way (load_index_and_encoder)
     build = _build_on_ray if args.engine == "ray" else _build_here
     index = build(args, passages, config, source)
     print(f"wrote a {index.kind} index of {len(index)} passages to {args.output_dir}")
