@@ -65,6 +65,7 @@ from unimae.retrieval.index import (
     finished_manifest,
     index_manifest,
     remove_stale_files,
+    search_queries,
     write_shard,
 )
 
@@ -255,11 +256,7 @@ class DiskIndex:
 
     def search(self, queries: np.ndarray, k: int = 4) -> list[list[Hit]]:
         """queries (Q, D) unit vectors -> the top-``k`` passages for each, best first, with exact cosines."""
-        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
-        if queries.shape[1] != self.dim:
-            raise ValueError(f"query dimension {queries.shape[1]} != index dimension {self.dim}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        queries = search_queries(queries, self.dim, k)  # (Q, D)
         found = _search(self.ivf, self.vectors, queries, min(k, len(self)), int(self.manifest["config"]["rerank"]))
         return [[Hit(*self.passages[int(i)], float(s)) for i, s in zip(*row, strict=True)] for row in found]
 

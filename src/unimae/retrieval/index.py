@@ -179,6 +179,16 @@ def _int8_rescored(manifest: dict) -> bool:
     return config.get("kind") == "binary" and config.get("rescore", "bits") == "int8"
 
 
+def search_queries(queries: np.ndarray, dim: int, k: int) -> np.ndarray:
+    """A search's queries as contiguous float32 rows (Q, D); ValueError for another dimension or k < 1."""
+    queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
+    if queries.shape[1] != dim:
+        raise ValueError(f"query dimension {queries.shape[1]} != index dimension {dim}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return queries
+
+
 def remove_stale_files(directory: Path, written: list[str]) -> None:
     """Delete the :data:`STORE_FILES` of ``directory`` that the build just finished did not write."""
     for name in STORE_FILES:
@@ -389,11 +399,7 @@ class VectorIndex:
 
     def search(self, queries: np.ndarray, k: int = 4) -> list[list[Hit]]:
         """queries (Q, D) unit vectors -> the top-``k`` passages for each, best first."""
-        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)  # (Q, D)
-        if queries.shape[1] != self.manifest["dim"]:
-            raise ValueError(f"query dimension {queries.shape[1]} != index dimension {self.manifest['dim']}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        queries = search_queries(queries, self.manifest["dim"], k)  # (Q, D)
         k = min(k, len(self.passages))
         if self.kind == "binary":
             multiplier = self.manifest["config"].get("rescore_multiplier", 4)
