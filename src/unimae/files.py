@@ -12,6 +12,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+logger = logging.getLogger(__name__)
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
@@ -129,6 +132,25 @@ def update_json(path: str | Path, updates: dict, under: str | None = None) -> Pa
         data[under] = {**data.get(under, {}), **updates}
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_json(path, data)
+
+
+def read_log_lines(path: str | Path) -> list[tuple[str, dict]]:
+    """(line, record) of each line of a JSON-lines log that holds a JSON object; a line cut off by a crash or a
+    full disk is dropped with a warning, blank lines silently; [] without the file."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            record = False
+        if isinstance(record, dict):
+            kept.append((line, record))
+        elif record is not None:
+            logger.warning("%s: dropping an unreadable log line: %.60s", path, line)
+    return kept
 
 
 def read_json(path: str | Path, what: str = "JSON file") -> dict:

@@ -9,7 +9,6 @@ left out and the card says so.
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from pathlib import Path
 from unimae.adapter import AdapterMeta
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
-from unimae.files import read_json
+from unimae.files import read_json, read_log_lines
 from unimae.training.config import TrainConfig, flag_defaults, flat_values
 
 # The base models of the offline short names: the Hugging Face ids and licences a card names.
@@ -326,20 +325,9 @@ def shell_word(text: str) -> str:
 def _log_seconds(path: Path, up_to: int | None = None) -> float:
     """Seconds of a run's logged steps, each step once (a resumed run logs the steps after its checkpoint again:
     the last record counts), only steps <= ``up_to`` when given (a run that went on past its release)."""
-    if not Path(path).is_file():
-        return 0.0
-    records = [r for r in map(_log_record, Path(path).read_text().splitlines()) if r is not None]
+    records = [record for _, record in read_log_lines(path)]
     by_step = {r.get("step", i): r.get("seconds", 0.0) for i, r in enumerate(records)}
     return sum(v for step, v in by_step.items() if up_to is None or step <= up_to)
-
-
-def _log_record(line: str) -> dict | None:
-    """One training-log line -> its record; a line cut off by a crash or a full disk (or a blank one) -> None."""
-    try:
-        record = json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _log_cpus(path: Path) -> list[str]:

@@ -44,7 +44,15 @@ from unimae.adapter import (
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.tokenization import choose_mask_token
-from unimae.files import atomic_write_json, atomic_write_text, read_json, remove, replace_folder, writing
+from unimae.files import (
+    atomic_write_json,
+    atomic_write_text,
+    read_json,
+    read_log_lines,
+    remove,
+    replace_folder,
+    writing,
+)
 from unimae.models import load_model
 from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_device, resolve_precision, weight_dtype
@@ -114,18 +122,7 @@ def _trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _read_log(path: Path, upto_step: int) -> list[str]:
     """The log lines of steps up to ``upto_step``; a line cut off by a crash or a full disk is dropped."""
-    if not path.is_file():
-        return []
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            step = json.loads(line)["step"] if line else None
-        except (json.JSONDecodeError, KeyError, TypeError):
-            logger.warning("%s: dropping an unreadable log line: %.60s", path, line)
-            continue
-        if step is not None and step <= upto_step:
-            kept.append(line)
-    return kept
+    return [line for line, r in read_log_lines(path) if r.get("step") is not None and r["step"] <= upto_step]
 
 
 _STEP_FIELDS = {"step", "grad_norm", "lr", "tokens", "seconds", "tokens_per_s", "elapsed", "rss_gb"}  # rest: losses
