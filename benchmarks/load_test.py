@@ -398,7 +398,7 @@ def rag_worker(mode: str, args) -> dict:
     passages = load_passages("enwiki-gensim:heldout")
     rng = random.Random(0)
     chosen = rng.sample(range(len(passages)), args.questions)
-    questions = [" ".join(passages[i][1].split()[:12]) for i in chosen]
+    questions = [question_of(passages[i][1]) for i in chosen]
     params = GenerationParams(max_new_tokens=args.max_tokens)
     load_start = time.perf_counter()
     llm = Encoder.from_pretrained(args.model, adapter=args.adapter if mode == "one" else None, merge=True)
@@ -408,6 +408,7 @@ def rag_worker(mode: str, args) -> dict:
             index = VectorIndex.build(llm, passages, tmp, IndexConfig())
             build = time.perf_counter() - build_start
             rag = RAG(llm, index)
+            every = all_paragraph_hits(passages, lambda qs: [rag.retrieve(q, 1)[0].id for q in qs])
         else:
             from unimae.embedding.spec import EmbeddingSpec
             from unimae.evaluation.reference import load_minilm
@@ -429,6 +430,9 @@ def rag_worker(mode: str, args) -> dict:
 
             index = VectorIndex.build(MiniLMEncoder, passages, tmp, IndexConfig())
             build = time.perf_counter() - build_start
+            every = all_paragraph_hits(
+                passages, lambda qs: [h[0].id for h in index.search(np.asarray(MiniLMEncoder.encode(qs, 64)), 1)]
+            )
         rows, prefill = [], []
         for q, target in zip(questions, chosen, strict=True):
             start = time.perf_counter()
@@ -461,6 +465,7 @@ def rag_worker(mode: str, args) -> dict:
         "p50_s": round(percentile(seconds, 50), 3),
         "p99_s": round(percentile(seconds, 99), 3),
         "retrieval_acc_at_1": round(sum(r["hit"] for r in rows) / len(rows), 3),
+        **all_paragraphs_summary(every),
         "mean_new_tokens": round(statistics.mean(r["new_tokens"] for r in rows), 1),  # answers may stop early
         "peak_rss_gb": round(_max_rss_gb(), 2),
     }
@@ -476,6 +481,43 @@ def rag_worker(mode: str, args) -> dict:
             "questions": len(prefill),
         }
     return result
+
+
+def question_of(text: str) -> str:
+    """A benchmark question: the first 12 words of its paragraph (the answer to find)."""
+    return " ".join(text.split()[:12])
+
+
+def all_paragraph_hits(passages: list[tuple[str, str]], top_ids) -> list[int]:
+    """1/0 per held-out paragraph: does its question (its first words) find it at rank 1? Retrieval only, the
+    way the setup retrieves for RAG: ``top_ids`` maps questions to their rank-1 passage ids (the one model's
+    query path with its query prompt, or MiniLM's vectors searched in the same index kind)."""
+    tops = top_ids([question_of(text) for _, text in passages])
+    return [int(top == pid) for top, (pid, _) in zip(tops, passages, strict=True)]
+
+
+def all_paragraphs_summary(hits: list[int]) -> dict:
+    """acc@1 over every held-out paragraph's question, its binomial standard error, and the 1/0 per paragraph
+    (the parent pairs the two setups' lists, then drops them)."""
+    acc = sum(hits) / len(hits)
+    return {
+        "all_paragraphs": len(hits),
+        "all_paragraphs_acc_at_1": round(acc, 4),
+        "all_paragraphs_acc_at_1_se": round((acc * (1 - acc) / len(hits)) ** 0.5, 4),
+        "all_paragraph_hits": hits,
+    }
+
+
+def paired(setups: list[dict]) -> dict:
+    """The one and two setups' hits on the same paragraphs, paired: how many only one of them found (the
+    discordant pairs a McNemar test counts); pops the per-paragraph lists from ``setups``."""
+    hits = {setup["mode"]: setup.pop("all_paragraph_hits") for setup in setups}
+    one, two = hits["one"], hits["two"]
+    return {
+        "paragraphs": len(one),
+        "one_only": sum(a and not b for a, b in zip(one, two, strict=True)),
+        "two_only": sum(b and not a for a, b in zip(one, two, strict=True)),
+    }
 
 
 def record_rag(path: Path, model: str, adapter: str | None, setups: list[dict]) -> None:
@@ -585,7 +627,9 @@ def main() -> None:
                 sys.exit(f"the RAG worker '{mode}' failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
             out = done.stdout
             payload["rag"].append(json.loads(out.strip().splitlines()[-1]))
-            print(json.dumps(payload["rag"][-1], indent=2))
+            print(json.dumps({k: v for k, v in payload["rag"][-1].items() if k != "all_paragraph_hits"}, indent=2))
+        payload["rag_paired"] = paired(payload["rag"])
+        print(json.dumps(payload["rag_paired"]))
         if args.rag_output:
             record_rag(Path(args.rag_output), args.model, args.adapter, payload["rag"])
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,3 +245,26 @@ def test_a_passages_file_swapped_for_another_is_refused(encoder, tmp_path):
     path.write_text("".join([lines[1], lines[0], *lines[2:]]))  # valid JSON, every text labelled wrong
     with pytest.raises(VectorIndexError, match="passages.jsonl is not the file this index was built from"):
         VectorIndex.load(tmp_path / "idx")
+
+
+def test_the_rag_benchmark_pairs_both_setups_over_every_paragraph(monkeypatch):
+    """benchmarks/load_test.py: acc@1 over every paragraph's question, its standard error, and the discordant
+    pairs of the one- and two-model setups (the per-paragraph lists leave the recorded entries)."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("load_test", bench / "load_test.py")
+    load_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_test)
+
+    passages = [("a", "alpha " * 20), ("b", "beta words here"), ("c", "gamma " * 3)]
+    assert load_test.question_of(passages[0][1]) == " ".join(["alpha"] * 12)
+    found = load_test.all_paragraph_hits(passages, lambda qs: ["a", "x", "c"][: len(qs)])
+    assert found == [1, 0, 1]
+    one = {"mode": "one", **load_test.all_paragraphs_summary(found)}
+    assert one["all_paragraphs"] == 3 and one["all_paragraphs_acc_at_1"] == round(2 / 3, 4)
+    assert one["all_paragraphs_acc_at_1_se"] == round((2 / 3 * 1 / 3 / 3) ** 0.5, 4)
+    two = {"mode": "two", **load_test.all_paragraphs_summary([0, 1, 1])}
+    assert load_test.paired([one, two]) == {"paragraphs": 3, "one_only": 1, "two_only": 1}
+    assert "all_paragraph_hits" not in one and "all_paragraph_hits" not in two

@@ -109,6 +109,9 @@ def test_a_card_quotes_only_its_own_adapters_generation_rag_and_repetition(tmp_p
     own = _generation_lines(inputs, "old")
     assert "this adapter: 50.00" in own and "2.00 (base model 1.00)" in own
     assert "retrieval acc@1 0.90 over 20 questions" in _rag_lines(inputs, "old")
+    every = {"all_paragraphs": 676, "all_paragraphs_acc_at_1": 0.8817, "all_paragraphs_acc_at_1_se": 0.0124}
+    inputs.rag.write_text(json.dumps({"revision": "old", "rag": [{"mode": "one", "retrieval_acc_at_1": 0.9, **every}]}))
+    assert "0.882 +- 0.012 over all 676 paragraphs' questions" in _rag_lines(inputs, "old")
 
 
 def test_a_card_table_shows_no_average_for_a_row_with_missing_tasks(tmp_path):

@@ -272,9 +272,19 @@ def _rag_lines(inputs: CardInputs, revision: Revision) -> str:
         if isinstance(entry, dict) and "retrieval_acc_at_1" in entry:
             lines.append(
                 f"- RAG benchmark, {entry.get('mode')} model(s) ({entry.get('models')}): retrieval acc@1 "
-                f"{entry['retrieval_acc_at_1']:.2f} over {entry.get('questions')} questions"
+                f"{entry['retrieval_acc_at_1']:.2f} over {entry.get('questions')} questions" + _every_paragraph(entry)
             )
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _every_paragraph(entry: dict) -> str:
+    """The RAG entry's acc@1 over every held-out paragraph's question (benchmarks since 2026-11-27), if any."""
+    if "all_paragraphs_acc_at_1" not in entry:
+        return ""
+    return (
+        f"; {entry['all_paragraphs_acc_at_1']:.3f} +- {entry.get('all_paragraphs_acc_at_1_se', 0):.3f} over all "
+        f"{entry.get('all_paragraphs')} paragraphs' questions (retrieval only)"
+    )
 
 
 def _training(inputs: CardInputs, meta: AdapterMeta) -> str:

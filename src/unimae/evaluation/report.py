@@ -115,6 +115,7 @@ RAG_COLUMNS = {
     "p50_s": "s per question p50",
     "p99_s": "p99",
     "retrieval_acc1": "retrieval acc@1",
+    "all_paragraphs_acc_at_1": "acc@1, every paragraph",
     "peak_rss_gb": "peak RSS (GB)",
     "cpu_model": "CPU",
 }
