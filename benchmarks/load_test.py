@@ -29,7 +29,10 @@ Part 2 (RAG): the same questions answered (a) by ONE model (SmolLM2 [EOS] embedd
 weights generate, reusing the query's KV cache) and (b) by TWO models (all-MiniLM-L6-v2 retrieves,
 SmolLM2 generates), each in its own process: index build time, per-question latency (retrieval and
 total), retrieval acc@1 (the question is the first words of a held-out paragraph; hit = that paragraph)
-and peak RSS. Corpus: the held-out enwiki-gensim paragraphs (676).
+and peak RSS. Corpus: the held-out enwiki-gensim paragraphs (676). Retrieval alone is also measured over every
+paragraph's question (``all_paragraphs_acc_at_1`` with its binomial standard error: 20 questions cannot separate
+two setups), and the two setups are paired on those paragraphs (``rag_paired``: the paragraphs only one of them
+finds, and McNemar's exact p).
 
     python benchmarks/load_test.py --adapter runs/unimae/adapter
     python benchmarks/load_test.py --mix hostile --duration 120
@@ -513,11 +516,23 @@ def paired(setups: list[dict]) -> dict:
     discordant pairs a McNemar test counts); pops the per-paragraph lists from ``setups``."""
     hits = {setup["mode"]: setup.pop("all_paragraph_hits") for setup in setups}
     one, two = hits["one"], hits["two"]
+    one_only = sum(a and not b for a, b in zip(one, two, strict=True))
+    two_only = sum(b and not a for a, b in zip(one, two, strict=True))
     return {
         "paragraphs": len(one),
-        "one_only": sum(a and not b for a, b in zip(one, two, strict=True)),
-        "two_only": sum(b and not a for a, b in zip(one, two, strict=True)),
+        "one_only": one_only,
+        "two_only": two_only,
+        "mcnemar_p": mcnemar_p(one_only, two_only),
     }
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """McNemar's exact test: the two-sided binomial p of ``b`` against ``c`` discordant pairs (1.0 for none)."""
+    from math import comb
+
+    n = b + c
+    tail = sum(comb(n, k) for k in range(min(b, c) + 1)) / 2**n
+    return round(min(1.0, 2 * tail), 6)
 
 
 def record_rag(path: Path, model: str, adapter: str | None, setups: list[dict]) -> None:

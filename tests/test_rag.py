@@ -266,5 +266,6 @@ def test_the_rag_benchmark_pairs_both_setups_over_every_paragraph(monkeypatch):
     assert one["all_paragraphs"] == 3 and one["all_paragraphs_acc_at_1"] == round(2 / 3, 4)
     assert one["all_paragraphs_acc_at_1_se"] == round((2 / 3 * 1 / 3 / 3) ** 0.5, 4)
     two = {"mode": "two", **load_test.all_paragraphs_summary([0, 1, 1])}
-    assert load_test.paired([one, two]) == {"paragraphs": 3, "one_only": 1, "two_only": 1}
+    assert load_test.paired([one, two]) == {"paragraphs": 3, "one_only": 1, "two_only": 1, "mcnemar_p": 1.0}
+    assert load_test.mcnemar_p(0, 0) == 1.0 and load_test.mcnemar_p(0, 5) == round(2 / 32, 6)
     assert "all_paragraph_hits" not in one and "all_paragraph_hits" not in two
