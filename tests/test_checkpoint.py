@@ -20,6 +20,7 @@ from unimae.training.checkpoint import (
     STATE_FILE,
     CheckpointError,
     checkpoint_dir,
+    checkpoint_folders,
     load_latest_checkpoint,
     save_checkpoint,
 )
@@ -132,3 +133,19 @@ def test_full_disk_while_writing_a_checkpoint_leaves_no_temporary_folder(tiny_tr
     with pytest.raises(OSError, match=r"could not write .*step-000003: the disk is full"):
         save_checkpoint(out, 3, good)
     assert sorted(p.name for p in checkpoint_dir(out).iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_checkpoints_are_ordered_by_step_number_past_six_digits(tiny_trained_run, tmp_path):
+    """``step-1000000`` is newer than ``step-999999`` (a sort by name puts it first): the newest loads and the
+    oldest is the one pruned."""
+    result, _ = tiny_trained_run
+    good = torch.load(checkpoint_dir(result.output_dir) / "step-000002" / STATE_FILE, weights_only=True)
+    out = tmp_path / "run"
+    save_checkpoint(out, 999_999, good)
+    save_checkpoint(out, 1_000_000, good)
+    (checkpoint_dir(out) / "step-notes").mkdir()  # not a checkpoint: ignored
+    assert [p.name for p in checkpoint_folders(checkpoint_dir(out))] == ["step-999999", "step-1000000"]
+    assert load_latest_checkpoint(out)["step"] == 1_000_000
+    save_checkpoint(out, 1_000_001, good)
+    assert [p.name for p in checkpoint_folders(checkpoint_dir(out))] == ["step-1000000", "step-1000001"]
+    assert checkpoint_folders(tmp_path / "missing") == []

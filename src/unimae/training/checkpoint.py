@@ -89,15 +89,24 @@ def save_checkpoint(output_dir: str | Path, step: int, state: dict[str, Any], ke
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    for old in checkpoint_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """The ``step-N`` folders in ``root``, oldest step first (by number: ``step-1000000`` after ``step-999999``,
+    which a sort by name would not give); [] for a missing folder."""
+    if not root.is_dir():
+        return []
+    steps = [(int(p.name[5:]), p) for p in root.glob("step-*") if p.name[5:].isdigit()]
+    return [p for _, p in sorted(steps)]
 
 
 def load_latest_checkpoint(output_dir: str | Path) -> dict[str, Any]:
     """The newest checkpoint that loads; corrupt ones are named in a warning and skipped."""
     root = checkpoint_dir(output_dir)
-    candidates = sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []
+    candidates = checkpoint_folders(root)[::-1]
     if not candidates:
         raise CheckpointError(f"no checkpoint in {root}; start a new run without --resume")
     for candidate in candidates:

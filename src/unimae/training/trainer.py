@@ -59,6 +59,7 @@ from unimae.runtime.precision import autocast, resolve_device, resolve_precision
 from unimae.training.checkpoint import (
     DIVERGED,
     checkpoint_dir,
+    checkpoint_folders,
     load_latest_checkpoint,
     rng_state,
     save_checkpoint,
@@ -543,7 +544,7 @@ _RUN_OUTPUTS = ("checkpoints", "adapter", "model", "merged")  # what a run write
 def _earlier_run(out: Path) -> Path | None:
     """The newest checkpoint, or the adapter (or full model), of a run already in ``out``; None if none."""
     found = [p for p in (out / "adapter" / "adapter_config.json", out / "model" / "config.json") if p.is_file()]
-    found += sorted(checkpoint_dir(out).glob("step-*"))
+    found += checkpoint_folders(checkpoint_dir(out))
     return found[-1] if found else None
 
 
