@@ -19,6 +19,31 @@ def test_txt_jsonl_parquet(tmp_path):
     assert load_texts(str(tmp_path / "a.parquet")) == ["p", "q"]
 
 
+def test_null_rows_of_a_parquet_file_or_hub_dataset_are_counted_when_dropped(tmp_path, caplog, monkeypatch):
+    import sys
+    import types
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["p", None, "q", None]}), tmp_path / "a.parquet")
+    with caplog.at_level("WARNING"):
+        assert load_texts(str(tmp_path / "a.parquet")) == ["p", "q"]
+    assert "dropped 2 rows" in caplog.text and "'text' is not text" in caplog.text
+
+    class Dataset(dict):  # the parts of datasets.Dataset the loader reads
+        column_names = ["body"]
+
+    fake = types.SimpleNamespace(load_dataset=lambda name, split: Dataset(body=["a", None]))
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(CorpusError, match=r"has no 'text' column \(columns: \['body'\]\)"):
+        load_texts("someone/corpus")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert load_texts("someone/corpus", field="body") == ["a"]
+    assert "dropped 1 rows of someone/corpus" in caplog.text
+
+
 def test_invalid_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"fine\nalso fine\nbroken \xff\xfe here\n")

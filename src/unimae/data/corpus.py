@@ -106,7 +106,17 @@ def _read_parquet(path: Path, field: str) -> list[str]:
     table = pq.read_table(path)
     if field not in table.column_names:
         raise CorpusError(f"{path} has no {field!r} column (columns: {table.column_names})")
-    return [t for t in table.column(field).to_pylist() if isinstance(t, str)]
+    return _strings(table.column(field).to_pylist(), path, field)
+
+
+def _strings(values: list, source, field: str) -> list:
+    """The string values of a column; the rest (nulls, numbers) dropped with a warning that counts them."""
+    kept = [t for t in values if isinstance(t, str)]
+    if len(kept) < len(values):
+        logger.warning(
+            "dropped %d rows of %s whose %r is not text (null or another type)", len(values) - len(kept), source, field
+        )
+    return kept
 
 
 def _read_hub(name: str, field: str) -> list[str]:
@@ -124,7 +134,9 @@ def _read_hub(name: str, field: str) -> list[str]:
             f"could not load Hugging Face dataset {name!r}: {err}. Offline? Pass a local "
             ".txt/.jsonl/.parquet file instead"
         ) from err
-    return [t for t in dataset[field] if isinstance(t, str)]
+    if field not in dataset.column_names:
+        raise CorpusError(f"Hugging Face dataset {name!r} has no {field!r} column (columns: {dataset.column_names})")
+    return _strings(dataset[field], name, field)
 
 
 def load_texts(data: str = DEFAULT_CORPUS, field: str = "text") -> list[str]:
