@@ -52,7 +52,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         default="memory",
         choices=STORES,
         help="memory = the FAISS index (--kind) in RAM; disk = IVF-PQ codes in RAM, exact rerank from vectors on "
-        "disk (a corpus larger than RAM; `ask` and `serve` read it the same way).",
+        "disk (vectors larger than RAM; `ask` and `serve` read it the same way; the build holds the passages' texts).",
     )
     parser.add_argument("--nlist", type=int, help="--store disk: IVF cells (default about 4*sqrt(N)).")
     parser.add_argument("--nprobe", type=int, help="--store disk: cells searched per query, at least (default 16).")
