@@ -76,3 +76,53 @@ def test_default_corpus_is_real_wikipedia_split_by_article():
     assert not set(train) & set(heldout)
     assert all(len(p) >= 200 for p in train[:100])
     assert "Anarchism" in train[0]
+
+
+def test_a_jsonl_corpus_read_on_demand_gives_the_same_passages_and_errors(tmp_path):
+    """open_passages on a .jsonl file: PassageFile keeps offsets, not texts, and yields exactly the
+    list's passages (ids from the field, else the line number; stripped; empty ones dropped); same errors."""
+    from unimae.data.corpus import load_passages
+    from unimae.data.passage_file import PassageFile, open_passages
+
+    lines = [
+        {"id": "a", "text": " first "},
+        {"text": "no id: line 2"},
+        {"id": "c", "text": "   "},
+        {"id": 7, "text": "é"},
+    ]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in lines) + "\n\n" + json.dumps({"text": "end"}))
+    eager, lazy = load_passages(str(path)), open_passages(str(path))
+    assert isinstance(lazy, PassageFile) and not isinstance(eager, PassageFile)
+    assert list(lazy) == eager == [("a", "first"), ("2", "no id: line 2"), ("7", "é"), ("6", "end")]
+    assert lazy[-1] == ("6", "end") and lazy[1:3] == eager[1:3] and len(lazy) == 4
+    with pytest.raises(IndexError):
+        lazy[4]
+
+    path.write_text(json.dumps({"id": "x", "text": "one"}) + "\n" + json.dumps({"id": "x", "text": "two"}) + "\n")
+    for loaded in (load_passages, open_passages):
+        with pytest.raises(CorpusError, match=r"passage id 'x' occurs twice"):
+            loaded(str(path))
+    path.write_text(json.dumps({"text": " "}) + "\n")
+    with pytest.raises(CorpusError, match="the corpus is empty"):
+        open_passages(str(path))
+    path.write_bytes(b'{"text": "fine"}\n{"text": "broken \xff"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl, line 2: invalid UTF-8"):
+        open_passages(str(path))
+    path.write_text('{"text": "fine"}\n{"text": 3}\n')
+    with pytest.raises(CorpusError, match=r"line 2: expected an object with a string 'text' field"):
+        open_passages(str(path))
+
+
+def test_passage_ids_whose_digests_collide_are_compared_by_id(tmp_path):
+    import numpy as np
+
+    from unimae.data.passage_file import PassageFile
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "x", "text": "one"}) + "\n" + json.dumps({"id": "y", "text": "two"}) + "\n")
+    passages = PassageFile.open(path)
+    passages._check_unique(np.array([5, 5], dtype=np.uint64))  # same digest, different ids: no error
+    path.write_text(json.dumps({"id": "x", "text": "one"}) + "\n" + json.dumps({"id": "x", "text": "two"}) + "\n")
+    with pytest.raises(CorpusError, match="occurs twice"):
+        PassageFile(path, "text", "id", passages.lines)._check_unique(np.array([5, 5], dtype=np.uint64))

@@ -148,6 +148,28 @@ def test_index_store_disk_on_the_command_line_and_ask(tiny_model_dirs, corpus_fi
     assert isinstance(load_index_and_encoder(tmp_path / "flat", precision="fp32")[1], VectorIndex)
 
 
+def test_a_jsonl_corpus_builds_a_disk_store_read_on_demand(tiny_model_dirs, tmp_path, capsys, monkeypatch):
+    """`unimae index --store disk` reads a .jsonl corpus through PassageFile (offsets, not texts, in RAM): the
+    store, its fingerprint included, is the one the passages as a list give."""
+    import unimae.data.corpus as corpus
+    from unimae.data.passage_file import PassageFile
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in PASSAGES))
+    opened = []
+    original = PassageFile.open
+    monkeypatch.setattr(PassageFile, "open", classmethod(lambda cls, *a: opened.append(a) or original(*a)))
+    out = tmp_path / "idx"
+    args = ["index", "--model", str(tiny_model_dirs["llama"]), "--corpus", str(path), "--precision", "fp32"]
+    assert main([*args, "--max-length", "64", "--shard-size", "5", "--output-dir", str(out), "--store", "disk"]) == 0
+    assert len(opened) == 1 and "wrote a disk index of 12 passages" in capsys.readouterr().out
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=64)
+    eager = DiskIndex.build(encoder, corpus.load_passages(str(path)), tmp_path / "eager", DiskIndexConfig(shard_size=5))
+    lazy = open_index(out)
+    assert list(lazy.passages) == PASSAGES and lazy.manifest["passages"] == eager.manifest["passages"]
+    np.testing.assert_allclose(np.asarray(lazy.vectors), np.asarray(eager.vectors), atol=1e-6)
+
+
 def test_v1_rag_answers_from_a_disk_store(tiny_model_dirs, tmp_path):
     pytest.importorskip("fastapi", reason="the server needs pip install 'unimae[serve]'")
     from fastapi.testclient import TestClient

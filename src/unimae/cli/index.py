@@ -52,7 +52,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         default="memory",
         choices=STORES,
         help="memory = the FAISS index (--kind) in RAM; disk = IVF-PQ codes in RAM, exact rerank from vectors on "
-        "disk (vectors larger than RAM; `ask` and `serve` read it the same way; the build holds the passages' texts).",
+        "disk (a corpus larger than RAM, from a .jsonl file; `ask` and `serve` read it the same way).",
     )
     parser.add_argument("--nlist", type=int, help="--store disk: IVF cells (default about 4*sqrt(N)).")
     parser.add_argument("--nprobe", type=int, help="--store disk: cells searched per query, at least (default 16).")
@@ -92,9 +92,12 @@ def add_ask_parser(sub: argparse._SubParsersAction) -> None:
 def _index(args: argparse.Namespace) -> int:
     from unimae.adapter import load_record
     from unimae.data.corpus import load_passages
+    from unimae.data.passage_file import open_passages
 
     config = _index_config(args)
-    passages = load_passages(args.corpus, field=args.field, id_field=args.id_field)
+    # a disk store reads a .jsonl corpus on demand (its texts never all in RAM); the memory store holds them anyway
+    load = open_passages if args.store == "disk" else load_passages
+    passages = load(args.corpus, field=args.field, id_field=args.id_field)
     print(f"{len(passages)} passages from {args.corpus}")
     source = {**load_record(args.model, args.adapter), "corpus": args.corpus}
     # the build adds whether the LoRA was merged: queries must be embedded the same way (load_index_and_encoder)

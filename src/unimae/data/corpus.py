@@ -67,15 +67,24 @@ def enwiki_gensim_passages(split: str = "train", min_chars: int = _MIN_PARAGRAPH
 
 def _lines(path: Path):
     """Yield (line number, decoded line), with a clear error on invalid UTF-8."""
+    for number, _start, _end, line in _lines_at(path):
+        yield number, line
+
+
+def _lines_at(path: Path):
+    """Yield (line number, byte offsets of the line's start and end, decoded line), with a clear error on invalid
+    UTF-8."""
+    start = 0
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                yield number, raw.decode("utf-8")
+                yield number, start, start + len(raw), raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise CorpusError(
                     f"{path}, line {number}: invalid UTF-8 ({err.reason} at byte {err.start}); "
                     "re-encode the file as UTF-8"
                 ) from err
+            start += len(raw)
 
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
@@ -84,7 +93,13 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
 
 def jsonl_records(path: Path, field: str):
     """Yield (line number, record) for each non-empty line; each record must have a string ``field``."""
-    for number, line in _lines(path):
+    for number, _start, _end, record in jsonl_records_at(path, field):
+        yield number, record
+
+
+def jsonl_records_at(path: Path, field: str):
+    """:func:`jsonl_records` with where each line is: (line number, start byte, end byte, record)."""
+    for number, start, end, line in _lines_at(path):
         if not line.strip():
             continue
         try:
@@ -97,7 +112,7 @@ def jsonl_records(path: Path, field: str):
             record[field].encode("utf-8")
         except UnicodeEncodeError as err:  # a JSON \\ud800 escape: not text
             raise CorpusError(f"{path}, line {number}: {field!r} holds a lone surrogate ({err.reason})") from err
-        yield number, record
+        yield number, start, end, record
 
 
 def _read_parquet(path: Path, field: str) -> list[str]:
@@ -169,14 +184,16 @@ def load_passages(data: str = DEFAULT_CORPUS, field: str = "text", id_field: str
 
     ``enwiki-gensim`` (or ``enwiki-gensim:heldout`` / ``:train``) gives ``"<title>#<n>"`` ids; a .jsonl
     file takes ids from ``id_field`` where present (else the line number); other sources number the texts.
-    Empty texts are dropped; duplicate ids are an error.
+    Empty texts are dropped; duplicate ids are an error. A .jsonl file read on demand instead:
+    :func:`unimae.data.passage_file.open_passages`.
     """
     name, _, split = data.partition(":")
     path = Path(data).expanduser()
     if name == DEFAULT_CORPUS and not path.exists():
         passages = enwiki_gensim_passages(split or "train")
     elif path.suffix == ".jsonl" and path.is_file():
-        passages = [(str(record.get(id_field, number)), record[field]) for number, record in jsonl_records(path, field)]
+        records = jsonl_records(path, field)
+        passages = [(passage_id(record, id_field, number), record[field]) for number, record in records]
     else:
         passages = [(str(i), text) for i, text in enumerate(load_texts(data, field))]
     passages = [(pid, text.strip()) for pid, text in passages if text.strip()]
@@ -185,6 +202,15 @@ def load_passages(data: str = DEFAULT_CORPUS, field: str = "text", id_field: str
     seen: set[str] = set()
     for pid, _ in passages:
         if pid in seen:
-            raise CorpusError(f"{data}: passage id {pid!r} occurs twice; ids must be unique")
+            raise duplicate_id(data, pid)
         seen.add(pid)
     return passages
+
+
+def passage_id(record: dict, id_field: str, number: int) -> str:
+    """A .jsonl passage's id: its ``id_field``, else its line number."""
+    return str(record.get(id_field, number))
+
+
+def duplicate_id(data, pid: str) -> CorpusError:
+    return CorpusError(f"{data}: passage id {pid!r} occurs twice; ids must be unique")
