@@ -65,3 +65,21 @@ def test_bf16_training_without_peft_input_upcast_keeps_the_loss_curve(
     skip, cast = read_log(tmp_path / "skip"), read_log(tmp_path / "cast")
     for a, b in zip(skip, cast, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), a["step"]
+
+
+def test_run_json_lists_the_cpu_of_every_sitting(tmp_path, monkeypatch):
+    """run.json's cpu_models: a new run names this machine's CPU; a resumed one adds it to the earlier sittings'
+    (the release card's wall-time line names them)."""
+    import json
+
+    import unimae.training.trainer as trainer
+    from unimae.release_card import _log_cpus
+
+    record = tmp_path / "run.json"
+    monkeypatch.setattr(trainer, "cpu_model", lambda: "CPU B")
+    assert trainer._sitting_cpus(record, 0) == ["CPU B"]
+    record.write_text(json.dumps({"cpu_models": ["CPU A"]}))
+    assert trainer._sitting_cpus(record, 40) == ["CPU A", "CPU B"]
+    assert trainer._sitting_cpus(record, 0) == ["CPU B"], "a fresh run does not inherit an old run's machines"
+    record.write_text(json.dumps({"cpu_models": ["CPU A", "CPU B"]}))
+    assert _log_cpus(tmp_path / "log.jsonl") == ["CPU A", "CPU B"]

@@ -342,8 +342,8 @@ def _log_seconds(path: Path, up_to: int | None = None) -> float:
 
 def _log_cpus(path: Path) -> list[str]:
     run = Path(path).with_name("run.json")
-    cpu = read_json(run, "run record").get("cpu_model") if run.is_file() else None
-    return [cpu] if cpu else []
+    record = read_json(run, "run record") if run.is_file() else {}
+    return list(record.get("cpu_models", [])) + ([record["cpu_model"]] if record.get("cpu_model") else [])
 
 
 def _limits(meta: AdapterMeta) -> str:

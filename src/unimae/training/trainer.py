@@ -54,7 +54,7 @@ from unimae.files import (
     writing,
 )
 from unimae.models import load_model
-from unimae.runtime.memory import release_if_above, resident_bytes, tune_allocator
+from unimae.runtime.memory import cpu_model, release_if_above, resident_bytes, tune_allocator
 from unimae.runtime.precision import autocast, resolve_device, resolve_precision, weight_dtype
 from unimae.training.checkpoint import (
     DIVERGED,
@@ -533,9 +533,16 @@ def _start_log(run: _Run, start: int) -> Path:
     log_path = out / "log.jsonl"
     if run.main:
         run.config.save(out / "config.json")
-        atomic_write_json(out / "run.json", run.meta)
+        atomic_write_json(out / "run.json", {**run.meta, "cpu_models": _sitting_cpus(out / "run.json", start)})
         atomic_write_text(log_path, "".join(line + "\n" for line in _read_log(log_path, start)))
     return log_path
+
+
+def _sitting_cpus(record: Path, start: int) -> list[str]:
+    """The CPU models of every sitting of the run: those an earlier run.json lists (when resuming) and this one's
+    (the release card names the machine of the training's wall time)."""
+    earlier = read_json(record, "run record").get("cpu_models", []) if start > 0 and record.is_file() else []
+    return sorted(set(earlier) | {cpu_model()})
 
 
 _RUN_OUTPUTS = ("checkpoints", "adapter", "model", "merged")  # what a run writes besides its logs and configs
