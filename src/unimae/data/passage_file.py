@@ -25,16 +25,37 @@ from tqdm.auto import tqdm
 from unimae.data.corpus import CorpusError, duplicate_id, jsonl_records_at, load_passages, passage_id
 
 
-class PassageFile(Sequence):
+class MappedRecords(Sequence):
+    """A file's records read on demand through a read-only memory map: subclasses give ``__len__`` and
+    ``_read(i)`` (the record at a valid index); indexing (negative indices, slices, bounds) is here."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as handle:
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def _read(self, i: int):
+        raise NotImplementedError
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return [self[i] for i in range(*item.indices(len(self)))]
+        i = operator.index(item)
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(f"passage {item} of {len(self)}")
+        return self._read(i)
+
+
+class PassageFile(MappedRecords):
     """(id, text) passages of a .jsonl file, each parsed when read; ids from ``id_field`` (else the line number)
     and texts stripped, as :func:`~unimae.data.corpus.load_passages` gives them. The file must not change while
     it is in use."""
 
     def __init__(self, path: Path, field: str, id_field: str, lines: np.ndarray):
-        self.path, self.field, self.id_field = path, field, id_field
+        super().__init__(path)
+        self.field, self.id_field = field, id_field
         self.lines = lines  # (N, 3) int64: line number, start byte, end byte
-        with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
 
     @classmethod
     def open(cls, path: str | Path, field: str = "text", id_field: str = "id") -> PassageFile:
@@ -60,7 +81,8 @@ class PassageFile(Sequence):
     def _check_unique(self, digests: np.ndarray) -> None:
         """Passages whose id digests collide (N,) are compared by id: a real repeat is a CorpusError."""
         order = np.argsort(digests, kind="stable")  # (N,)
-        same = np.flatnonzero(digests[order][1:] == digests[order][:-1])  # positions i where i and i + 1 collide
+        ranked = digests[order]  # (N,)
+        same = np.flatnonzero(ranked[1:] == ranked[:-1])  # positions i where i and i + 1 collide
         for i in same:
             first, second = self[int(order[i])][0], self[int(order[i + 1])][0]
             if first == second:
@@ -69,13 +91,7 @@ class PassageFile(Sequence):
     def __len__(self) -> int:
         return len(self.lines)
 
-    def __getitem__(self, item):
-        if isinstance(item, slice):
-            return [self[i] for i in range(*item.indices(len(self)))]
-        i = operator.index(item)
-        i = i + len(self) if i < 0 else i
-        if not 0 <= i < len(self):
-            raise IndexError(f"passage {item} of {len(self)}")
+    def _read(self, i: int) -> tuple[str, str]:
         number, start, end = (int(v) for v in self.lines[i])
         record = json.loads(self._map[start:end])
         return passage_id(record, self.id_field, number), record[self.field].strip()

@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import mmap
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from unimae.data.passage_file import MappedRecords
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write, atomic_write_json, file_sha256
 from unimae.retrieval.index import (
@@ -124,13 +124,12 @@ class DiskIndexConfig:
         return STORE
 
 
-class DiskPassages(Sequence):
+class DiskPassages(MappedRecords):
     """The (id, text) passages of a store, read from ``passages.jsonl`` on demand (nothing is loaded)."""
 
     def __init__(self, path: Path, offsets: np.ndarray):
-        self.path, self.offsets = path, offsets  # offsets (N + 1,) int64
-        with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        super().__init__(path)
+        self.offsets = offsets  # (N + 1,) int64
 
     @classmethod
     def open(cls, directory: Path, count: int) -> DiskPassages:
@@ -157,13 +156,7 @@ class DiskPassages(Sequence):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, item):
-        if isinstance(item, slice):
-            return [self[i] for i in range(*item.indices(len(self)))]
-        i = operator.index(item)
-        i = i + len(self) if i < 0 else i
-        if not 0 <= i < len(self):
-            raise IndexError(f"passage {item} of {len(self)}")
+    def _read(self, i: int) -> tuple[str, str]:
         try:
             record = json.loads(self._map[self.offsets[i] : self.offsets[i + 1]])
             return record["id"], record["text"]
