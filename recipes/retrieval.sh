@@ -17,9 +17,11 @@
 # fit and the per-size rows: minutes). On 2 CPU cores about 67 s (SmolLM2) / 92 s (Gemma) a step: many sittings.
 # Sittings: every stage resumes (recipes/train_run.sh) and finished evaluations are skipped. On a fresh machine,
 # where the run's checkpoints are gone, the supervised stage continues from the release it left
-# (`unimae train --continue-adapter releases/RELEASE`: the same LoRA and data order, Adam restarted). To end a
-# sitting: SIGTERM the training (it writes its adapter at the step it reached), then `RELEASE_ONLY=1 bash
-# recipes/retrieval.sh` writes the release from that adapter and its last curve point.
+# (`unimae train --continue-adapter releases/RELEASE`: the same LoRA and data order, Adam restarted), and a stop
+# the curve recorded there (a point below the one before it) holds: the final stage takes the release's weights. To
+# end a sitting: SIGTERM the training (it writes its adapter at the step it reached), then `RELEASE_ONLY=1 bash
+# recipes/retrieval.sh` writes the release from that adapter and its last curve point (where the run's adapter is
+# gone, it rewrites the release's card: `unimae release --card-only`).
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
@@ -82,9 +84,10 @@ train_to() {  # steps: the supervised stage up to that many steps (resumed, or c
   fi
 }
 
-adapter_steps() {  # the steps the run's adapter holds ('' without one)
-  [ -f "$run/adapter/unimae.json" ] || return 0
-  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$run/adapter/unimae.json"
+adapter_steps() {  # [folder]: the steps the run's adapter (or that folder) holds ('' without one)
+  local folder=${1:-$run/adapter}
+  [ -f "$folder/unimae.json" ] || return 0
+  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$folder/unimae.json"
 }
 
 curve_point() {  # steps: the dev suite of the adapter at that step (texts cut to CURVE_MAX_LENGTH tokens)
@@ -114,28 +117,39 @@ curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (
   echo "$OUT/curve/dimensions-step-$1.json"
 }
 
-scored_for() {  # folder: true if its run.json was evaluated for the run's adapter as it is now
-  $PYTHON - "$1" "$run/adapter" <<'EOF'
+scored_for() {  # folder adapter: true if the folder's run.json was evaluated for that adapter as it is now (for a
+  # release: for its bf16 weights or for the trained adapter it was made from)
+  $PYTHON - "$1" "$2" <<'EOF'
 import json, sys
 from pathlib import Path
-from unimae.adapter import adapter_revision
+from unimae.release import release_revisions
 record = Path(sys.argv[1]) / "run.json"
-sys.exit(0 if record.is_file() and json.loads(record.read_text()).get("revision") == adapter_revision(sys.argv[2]) else 1)
+sys.exit(0 if record.is_file() and json.loads(record.read_text()).get("revision") in release_revisions(sys.argv[2]) else 1)
 EOF
 }
 
-release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter
-  local dev=$OUT/retrieval-eos summary=() steps dims=$OUT/dimensions.json
-  if scored_for "$dev"; then
+release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter; on a fresh
+  # machine, where the run's adapter is gone, the release's card alone, from the results of its own weights
+  local adapter=$run/adapter write=(--adapter "$run/adapter") dev=$OUT/retrieval-eos summary=() steps
+  local dims=$OUT/dimensions.json
+  if [ ! -f "$adapter/unimae.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
+    adapter=$RELEASES/$RELEASE
+    write=(--card-only)
+  fi
+  if scored_for "$dev" "$adapter"; then
     summary=(--summary "$OUT/summary.json")
   else  # a sitting's end: the curve point of the adapter's step, or at least STS17 (the release test's task)
-    steps=$(adapter_steps)
+    steps=$(adapter_steps "$adapter")
     dev=$OUT/curve/step-$steps
-    scored_for "$dev" || $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks STS17 \
-      --data-dir "$DATA" --output-dir "$OUT/curve" --label "step-$steps" --max-length "$CURVE_MAX_LENGTH"
-    dims=$(curve_dimensions "$steps")
+    if [ "${write[0]}" = --card-only ]; then
+      dims=$OUT/curve/dimensions-step-$steps.json  # written when the release was made
+    else
+      scored_for "$dev" "$adapter" || $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$adapter" \
+        --tasks STS17 --data-dir "$DATA" --output-dir "$OUT/curve" --label "step-$steps" --max-length "$CURVE_MAX_LENGTH"
+      dims=$(curve_dimensions "$steps")
+    fi
   fi
-  $UNIMAE release --adapter "$run/adapter" --name "$RELEASE" --root "$RELEASES" --dev-results "$dev" "${summary[@]}" \
+  $UNIMAE release "${write[@]}" --name "$RELEASE" --root "$RELEASES" --dev-results "$dev" "${summary[@]}" \
     --generation "results/generation-$SHORT/retrieval/generation.json" \
     --base-generation "results/generation-$SHORT/base-full-scorer/generation.json" --rag "$OUT/rag.json" \
     --repetition "results/generation-$SHORT/greedy-repetition.json" --table "$dims" \
@@ -197,10 +211,20 @@ restore_best() {  # best last: the dev average fell from step best to step last 
   if [ -f "$source/matryoshka_rotation.safetensors" ]; then
     cp "$source/matryoshka_rotation.safetensors" "$run/adapter.restore/"
   fi
-  mv "$run/adapter" "$run/adapter-step-$2"
+  if [ -d "$run/adapter" ]; then  # else a fresh machine: step $2's adapter went with the earlier one's machine
+    mv "$run/adapter" "$run/adapter-step-$2"
+  fi
   mv "$run/adapter.restore" "$run/adapter"
   printf '{"best": %s, "stopped_at": %s, "adapter": "%s"}\n' "$1" "$2" "$source" >"$run/stopped-early.json"
   echo "retrieval.sh: the final stage takes step $1's adapter ($source); step $2's is in $run/adapter-step-$2"
+}
+
+rose() {  # from to: true if the curve's dev average rose from label 'from' to label 'to'
+  $PYTHON - "$OUT/curve/curve.json" "$1" "$2" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+sys.exit(0 if rows[sys.argv[3]]["average"] > rows[sys.argv[2]]["average"] else 1)
+EOF
 }
 
 supervised_stage() {  # CURVE_EVERY steps at a time, with a dev-suite point after each
@@ -208,6 +232,12 @@ previous=""
 held=$(steps_held)
 for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVERY )); do
   (( steps > SUP_STEPS )) && steps=$SUP_STEPS
+  if (( steps > held )) && [ "$STOP_EARLY" = 1 ] && [ -n "$previous" ] && [ -f "$OUT/curve/step-$steps/run.json" ] \
+    && ! rose "$previous" "step-$steps"; then  # a sitting on another machine reached this point; the average fell
+    echo "retrieval.sh: the curve holds step-$steps, below $previous: the stage stopped there in an earlier sitting"
+    restore_best "${previous#step-}" "$steps"
+    break
+  fi
   if (( steps > held )); then
     train_to "$steps"
     held=$steps
@@ -222,12 +252,7 @@ for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVER
   labels=$(ls -d "$OUT"/curve/step-* | xargs -n1 basename | sort -t- -k2 -n | tr '\n' ' ')
   # shellcheck disable=SC2086  # labels and TASKS are word lists on purpose
   $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $TASKS --name curve --labels $labels
-  if [ "$STOP_EARLY" = 1 ] && [ -n "$previous" ] && ! $PYTHON - "$OUT/curve/curve.json" "$previous" "step-$steps" <<'EOF'
-import json, sys
-rows = json.load(open(sys.argv[1]))
-sys.exit(0 if rows[sys.argv[3]]["average"] > rows[sys.argv[2]]["average"] else 1)  # rose: go on
-EOF
-  then
+  if [ "$STOP_EARLY" = 1 ] && [ -n "$previous" ] && ! rose "$previous" "step-$steps"; then
     echo "retrieval.sh: the dev average did not rise from $previous to step-$steps: the stage stops here"
     restore_best "${previous#step-}" "$steps"
     break

@@ -136,6 +136,8 @@ elif args[:2] == ["evaluate", "summary"] and opt("--name") == "curve":
 elif args[0] == "rotation":
     spec = Path(opt("--adapter"), "unimae.json")
     spec.write_text(json.dumps({{**json.loads(spec.read_text()), "embedding": {{"rotation": "r0"}}}}))
+elif args[0] == "release" and "--card-only" in args:
+    pass
 elif args[0] == "release":
     target = Path(opt("--root")) / opt("--name")
     target.mkdir(parents=True, exist_ok=True)
@@ -180,3 +182,54 @@ def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_
     calls.write_text("")
     again = _retrieval_calls(tmp_path, {**env, "UNIMAE": str(cli)})  # a later sitting: no more training
     assert not any(line.startswith("train") for line in again) and again[-1].startswith("release")
+
+
+def _fresh_machine(tmp_path: Path, averages: dict) -> tuple[dict, Path]:
+    """A fresh machine after earlier sittings: no run folder; the release holds step 80's weights, whose curve point
+    (scored on the trained adapter it was made from) and later ones are in the results."""
+    import hashlib
+    import json
+    import sys
+
+    calls, cli, python = tmp_path / "calls", tmp_path / "fake-unimae-files", tmp_path / "python"
+    cli.write_text(FAKE_CLI.format(python=sys.executable, calls=str(calls)))
+    skip_benchmarks = f'case "$1" in benchmarks/*) echo "$*" >> {calls}; exit 0;; esac'
+    python.write_text(f'#!/bin/sh\n{skip_benchmarks}\nexec {ROOT}/.venv/bin/python "$@"\n')
+    for tool in (cli, python):
+        tool.chmod(0o755)
+    release = tmp_path / "releases" / "r"
+    release.mkdir(parents=True)
+    (release / "adapter_model.safetensors").write_text("bf16 weights of step 80")
+    (release / "adapter_config.json").write_text("{}")
+    trained = hashlib.sha256(b"weights of step 80").hexdigest()[:12]  # the fp32 adapter it was made from
+    meta = {"trained_steps": 80, "embedding": {"rotation": "r0"}, "release": {"source_revision": trained}}
+    (release / "unimae.json").write_text(json.dumps(meta))
+    for label in averages:
+        point = tmp_path / "out" / "curve" / label
+        point.mkdir(parents=True)
+        (point / "run.json").write_text(json.dumps({"tasks": ["STS17"], "revision": trained}))
+    env = {"TASKS": "STS17", "SUP_STEPS": "400", "PYTHON": str(python), "FAKE_AVERAGES": json.dumps(averages)}
+    return {**env, "UNIMAE": str(cli)}, release
+
+
+def test_retrieval_recipe_on_a_fresh_machine_keeps_a_stop_the_curve_recorded(tmp_path):
+    """The run folder (and its stopped-early.json) went with the machine, but the curve shows the average fell from
+    step 80 to 160: the recipe trains no further and finishes on the release's weights (step 80's)."""
+    import json
+
+    env, release = _fresh_machine(tmp_path, {"step-80": 62.0, "step-160": 61.0})
+    lines = _retrieval_calls(tmp_path, env)
+    assert not any(line.startswith("train") for line in lines)
+    run = tmp_path / "runs" / "retriever"
+    assert (run / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 80"
+    assert json.loads((run / "stopped-early.json").read_text())["best"] == 80
+    assert lines[-1].startswith(f"release --adapter {run / 'adapter'}")
+
+
+def test_retrieval_recipe_release_only_on_a_fresh_machine_rewrites_the_card(tmp_path):
+    """RELEASE_ONLY=1 where the run's adapter is gone: the release's card from the curve point of its weights."""
+    env, release = _fresh_machine(tmp_path, {"step-80": 62.0})
+    lines = _retrieval_calls(tmp_path, {**env, "RELEASE_ONLY": "1"})
+    out = tmp_path / "out" / "curve"
+    assert len(lines) == 1 and lines[0].startswith("release --card-only --name r")
+    assert f"--dev-results {out / 'step-80'}" in lines[0] and f"--table {out / 'dimensions-step-80.json'}" in lines[0]

@@ -2,6 +2,7 @@
 and the refusals (an adapter on top of an init adapter, an unknown name). The released retrievers themselves
 are checked against their cards in test_integration.py."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from test_contrastive import _config, _records, _write
 
-from unimae.adapter import AdapterMeta, adapter_meta
+from unimae.adapter import AdapterMeta, adapter_meta, adapter_revision
 from unimae.cli import main
 from unimae.encoder import Encoder
 from unimae.release import card_scores, make_release, resolve_adapter
@@ -240,3 +241,79 @@ def test_a_cards_summary_table_shows_the_released_results_once(adapter, tmp_path
     summary.write_text(json.dumps(rows))
     card = build_card(CardInputs("tiny-retriever", tmp_path, dev, summary=summary), AdapterMeta())
     assert "| tiny-retriever |" in card and "| other |" in card and "| retrieval-eos |" not in card
+
+
+def _log(path: Path, steps: list[tuple[int, float]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "seconds": t}) + "\n" for s, t in steps))
+    return path
+
+
+def test_a_release_records_its_training_time_and_a_continued_run_adds_to_it(tiny_model_dirs, adapter, tmp_path):
+    """The logs of a sitting stay on its machine: the release records its steps' wall time, a run continued from it
+    on a fresh machine carries that record, and its own release adds the new sitting's steps."""
+    from unimae.adapter import TrainingTime
+    from unimae.release_card import training_time
+
+    dev = tmp_path / "dev"
+    _task_result(dev, "STS17")
+    steps = adapter_meta(adapter).trained_steps  # 2
+    log = _log(tmp_path / "first" / "log.jsonl", [(1, 1800.0), (2, 1800.0), (3, 900.0)])  # step 3: past the adapter
+    inputs = CardInputs("tiny-retriever", tmp_path / "releases" / "tiny-retriever", dev, train_logs=[log])
+    time = training_time(inputs, adapter_meta(adapter))
+    assert time == TrainingTime(3600.0, ())
+    card = build_card(inputs, adapter_meta(adapter))
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases", card, time)
+    assert adapter_meta(out).release.training == TrainingTime(3600.0, ())
+    assert "wall time 1.0 h of\n  training steps (CPU not recorded; 2 CPU cores)" in card
+    without_logs = CardInputs("tiny-retriever", out, dev, train_logs=[tmp_path / "gone" / "log.jsonl"])
+    assert training_time(without_logs, adapter_meta(out)) == TrainingTime(3600.0, ())  # a fresh machine
+    assert training_time(without_logs, adapter_meta(adapter)) is None  # a run's adapter without its logs
+
+    data = _write(tmp_path / "pairs.jsonl", _records(12))
+    config = _config(tiny_model_dirs["llama"], data, tmp_path / "more", steps=steps + 1, query_prompt="q: ")
+    train(dataclasses.replace(config, continue_adapter=str(out)))
+    continued = adapter_meta(tmp_path / "more" / "adapter")
+    assert continued.continued_from_step == steps and continued.continued_from_training == TrainingTime(3600.0, ())
+    new_log = _log(tmp_path / "more" / "log.jsonl", [(3, 1800.0)])  # the new sitting's own step
+    again = CardInputs("tiny-retriever", out, dev, train_logs=[new_log])
+    assert training_time(again, continued).seconds == 5400.0
+
+
+def test_a_card_made_before_releases_recorded_training_time_keeps_its_stated_one(adapter, tmp_path):
+    """`unimae release --card-only` on a release whose unimae.json has no training record reads the card's own
+    wall-time sentence and records it, so the card says what it said and later cards need no logs."""
+    from unimae.adapter import TrainingTime
+
+    dev = tmp_path / "dev"
+    _task_result(dev, "STS17")
+    shutil.copy(SCORED / "run.json", dev / "run.json")
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases")
+    revision = adapter_revision(str(out))
+    (out / "README.md").write_text("- Steps: 2, ...; wall time 2.8 h of\n  training steps (AMD EPYC; 2 CPU cores).\n")
+    run_json = dev / "run.json"
+    run_json.write_text(json.dumps({"revision": revision}))
+    args = ["release", "--card-only", "--name", "tiny-retriever", "--root", str(tmp_path / "releases")]
+    assert main([*args, "--dev-results", str(dev)]) == 0
+    assert "wall time 2.8 h of\n  training steps (AMD EPYC; 2 CPU cores)" in (out / "README.md").read_text()
+    assert adapter_meta(out).release.training == TrainingTime(2.8 * 3600, ("AMD EPYC",))
+    assert adapter_revision(str(out)) == revision  # the weights untouched
+    (out / "README.md").write_text("no wall time here\n")
+    assert main([*args, "--dev-results", str(dev)]) == 0  # now from unimae.json
+    assert "wall time 2.8 h of\n  training steps (AMD EPYC; 2 CPU cores)" in (out / "README.md").read_text()
+
+
+def test_training_time_records_read_back_and_tolerate_damage():
+    from unimae.adapter import ReleaseInfo, TrainingTime
+
+    meta = AdapterMeta(
+        continued_from_step=80,
+        continued_from_training=TrainingTime(10.0, ("AMD EPYC",)),
+        release=ReleaseInfo("r", "bfloat16", "0123456789ab", TrainingTime(20.0, ())),
+    )
+    data = json.loads(json.dumps(meta.to_dict()))
+    assert data["continued_from"] == {"step": 80, "training": {"seconds": 10.0, "cpu_models": ["AMD EPYC"]}}
+    assert AdapterMeta.from_dict(data) == meta
+    data["release"]["training"] = {"seconds": "soon"}  # damaged: read as not recorded
+    assert AdapterMeta.from_dict(data).release.training is None
+    assert TrainingTime(1.0, ("b",)) + TrainingTime(2.0, ("a", "b")) == TrainingTime(3.0, ("a", "b"))

@@ -54,12 +54,41 @@ def base_fingerprint(model) -> str:
 
 
 @dataclass(frozen=True)
+class TrainingTime:
+    """The wall time of the optimizer steps an adapter holds and the CPU models they ran on: recorded in a release
+    (and carried into a run continued from it), because the logs of its sittings stay on the machines that ran them."""
+
+    seconds: float = 0.0
+    cpu_models: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds": round(float(self.seconds), 1), "cpu_models": list(self.cpu_models)}
+
+    @classmethod
+    def from_dict(cls, data) -> TrainingTime | None:
+        """Inverse of :meth:`to_dict`; None for anything else (an older file, a damaged record)."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("seconds"), int | float):
+            return None
+        return cls(float(data["seconds"]), tuple(str(c) for c in data.get("cpu_models") or ()))
+
+    def __add__(self, other: TrainingTime | None) -> TrainingTime:
+        if other is None:
+            return self
+        return TrainingTime(self.seconds + other.seconds, tuple(sorted(set(self.cpu_models) | set(other.cpu_models))))
+
+
+@dataclass(frozen=True)
 class ReleaseInfo:
     """``release`` in a released adapter's ``unimae.json`` (written by ``unimae release``)."""
 
     name: str = ""
     weights_dtype: str = ""
     source_revision: str = ""  # adapter_revision of the fp32 adapter it was made from
+    training: TrainingTime | None = None  # its steps' wall time (None: a release made before it was recorded)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "weights_dtype": self.weights_dtype, "source_revision": self.source_revision}
+        return {**out, "training": self.training.to_dict()} if self.training else out
 
 
 @dataclass(frozen=True)
@@ -88,6 +117,9 @@ class AdapterMeta:
     continued_from_step: int | None = field(
         default=None, metadata={"help": "--continue-adapter: the step the adapter it continued held."}
     )
+    continued_from_training: TrainingTime | None = field(
+        default=None, metadata={"help": "--continue-adapter of a release: the wall time of the steps it held."}
+    )
     release: ReleaseInfo | None = field(default=None, metadata={"help": "Set in a release folder."})
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Keys this version does not know."})
 
@@ -100,12 +132,18 @@ class AdapterMeta:
             "init_adapter": self.init_adapter,
             "init_lora": None if self.init_lora_revision is None else {"revision": self.init_lora_revision},
             "training_config": self.training_config or None,
-            "continued_from": None if self.continued_from_step is None else {"step": self.continued_from_step},
-            "release": None if self.release is None else dataclasses.asdict(self.release),
+            "continued_from": self._continued_from(),
+            "release": None if self.release is None else self.release.to_dict(),
         }
         out = {"base_model": self.base_model, "base_fingerprint": self.base_fingerprint}
         out["embedding"] = self.embedding.to_dict()
         return {**out, **{k: v for k, v in optional.items() if v is not None}, **self.extra}
+
+    def _continued_from(self) -> dict[str, Any] | None:
+        if self.continued_from_step is None:
+            return None
+        out = {"step": self.continued_from_step}
+        return {**out, "training": self.continued_from_training.to_dict()} if self.continued_from_training else out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> AdapterMeta:
@@ -114,6 +152,7 @@ class AdapterMeta:
         if "embedding" not in data and "pooling" in data:  # the first version: causal attention, this pooling
             data["embedding"] = {"pooling": data.pop("pooling")}
         continued, release = data.pop("continued_from", None), data.pop("release", None)
+        continued = continued if isinstance(continued, Mapping) else {}
         init_lora = data.pop("init_lora", None)
         plain = ("base_model", "base_fingerprint", "trained_steps", "mask_token", "method", "init_adapter")
         return cls(
@@ -121,7 +160,8 @@ class AdapterMeta:
             embedding=EmbeddingSpec.from_dict(data.pop("embedding", None)),
             training_config=dict(data.pop("training_config", None) or {}),
             init_lora_revision=init_lora.get("revision") if isinstance(init_lora, Mapping) else None,
-            continued_from_step=continued.get("step") if isinstance(continued, Mapping) else None,
+            continued_from_step=continued.get("step"),
+            continued_from_training=TrainingTime.from_dict(continued.get("training")),
             release=_release_info(release),
             extra=data,  # what is left: keys this version does not know
         )
@@ -131,8 +171,9 @@ def _release_info(data) -> ReleaseInfo | None:
     """``release`` of a unimae.json (its known keys) as a ReleaseInfo; None without one."""
     if not isinstance(data, Mapping):
         return None
-    names = {f.name for f in dataclasses.fields(ReleaseInfo)}
-    return ReleaseInfo(**{k: str(v) for k, v in data.items() if k in names})
+    names = {f.name for f in dataclasses.fields(ReleaseInfo)} - {"training"}
+    known = {k: str(v) for k, v in data.items() if k in names}
+    return ReleaseInfo(**known, training=TrainingTime.from_dict(data.get("training")))
 
 
 def write_adapter_meta(directory: str | Path, meta: AdapterMeta) -> None:

@@ -27,6 +27,7 @@ from unimae.adapter import (
     INIT_ADAPTER,
     AdapterMeta,
     ReleaseInfo,
+    TrainingTime,
     adapter_meta,
     adapter_revision,
     write_adapter_meta,
@@ -87,9 +88,17 @@ def resolve_adapter(adapter: str | Path | None) -> str | None:
     )
 
 
-def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_RELEASES, card: str = "") -> Path:
+def make_release(
+    adapter: str | Path,
+    name: str,
+    root: str | Path = REPOSITORY_RELEASES,
+    card: str = "",
+    training: TrainingTime | None = None,
+) -> Path:
     """Write ``root/name/`` from a trained ``adapter`` folder: its LoRA weights cast to bf16, its config and
-    ``unimae.json``, and ``card`` as README.md. Replaces an earlier release of that name (one per model).
+    ``unimae.json`` (with ``training``, the wall time of its steps, so a later card or a run continued from the
+    release elsewhere still knows it), and ``card`` as README.md. Replaces an earlier release of that name
+    (one per model).
 
     Refuses an adapter trained on top of an init adapter (a release is one LoRA on the base model) and weights
     over 16 MiB in bf16."""
@@ -116,11 +125,21 @@ def make_release(adapter: str | Path, name: str, root: str | Path = REPOSITORY_R
     save_file(weights, partial / "adapter_model.safetensors", metadata=metadata)
     _keep_unchanged_weights(out / "adapter_model.safetensors", partial / "adapter_model.safetensors")
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
-    release = ReleaseInfo(name=name, weights_dtype="bfloat16", source_revision=source_revision(source))
+    release = ReleaseInfo(name, "bfloat16", source_revision(source), training)
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
     replace_folder(partial, out)
     return out
+
+
+def record_training(release: str | Path, training: TrainingTime | None) -> None:
+    """Write ``training`` (its steps' wall time) into a release's ``unimae.json`` where it records another (or
+    none); the weights, and so the revision, stay as they are."""
+    meta = release_meta(release)
+    if training is None or meta.release is None or meta.release.training == training:
+        return
+    info = dataclasses.replace(meta.release, training=training)
+    write_adapter_meta(Path(release), dataclasses.replace(meta, release=info))
 
 
 def _keep_unchanged_weights(released: Path, written: Path) -> None:

@@ -10,11 +10,12 @@ left out and the card says so.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unimae.adapter import AdapterMeta
+from unimae.adapter import AdapterMeta, TrainingTime
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
 from unimae.files import read_json, read_log_lines
@@ -55,6 +56,9 @@ class CardInputs:
     train_logs: list[Path] = field(default_factory=list)  # log.jsonl of each sitting of the training run
     command: str = ""  # the recipe command that trained it
 
+
+_NO_CPU = "CPU not recorded"
+_CARD_WALL_TIME = re.compile(r"wall time (?P<hours>\d+(?:\.\d+)?) h of\s+training steps \((?P<cpus>[^;]*); ")
 
 Revision = str | tuple[str, ...] | None  # one adapter revision, several that are one model, or None: any
 
@@ -287,11 +291,46 @@ def _every_paragraph(entry: dict) -> str:
     )
 
 
+def training_time(inputs: CardInputs, meta: AdapterMeta) -> TrainingTime | None:
+    """The wall time of the optimizer steps the released adapter holds, and their CPUs: from its sittings' logs
+    that are on this machine (``inputs.train_logs``; in the last one only the steps the adapter holds), plus what
+    a release it was continued from recorded; without logs, what the release records (``unimae.json``); for a
+    release made before releases recorded it, what its card says (to 0.1 h). None: not known."""
+    logs = [Path(p) for p in inputs.train_logs if Path(p).is_file()]
+    if logs:
+        last = len(logs) - 1  # the release's own run: only the steps its adapter holds
+        seconds = sum(_log_seconds(p, meta.trained_steps if i == last else None) for i, p in enumerate(logs))
+        cpus = tuple(sorted({c for p in logs for c in _log_cpus(p)}))
+        return TrainingTime(seconds, cpus) + meta.continued_from_training
+    if meta.release is None:  # a run's adapter without its logs
+        return None
+    return meta.release.training or card_training_time(Path(inputs.release) / "README.md")
+
+
+def card_training_time(card: Path) -> TrainingTime | None:
+    """The training wall time a card states (``_training``'s own sentence), for releases made before
+    ``unimae.json`` recorded it; None without a card or that sentence."""
+    found = _CARD_WALL_TIME.search(card.read_text(encoding="utf-8")) if card.is_file() else None
+    if not found:
+        return None
+    cpus = () if found["cpus"] == _NO_CPU else tuple(found["cpus"].split(", "))
+    return TrainingTime(float(found["hours"]) * 3600, cpus)
+
+
+def _wall_time(time: TrainingTime | None, meta: AdapterMeta) -> str:
+    """The card's wall-time words: hours and CPUs, or why they are missing."""
+    if time is None:
+        return "wall time not recorded"
+    cpus = ", ".join(time.cpu_models) or _NO_CPU
+    text = f"wall time {time.seconds / 3600:.1f} h of\n  training steps ({cpus}; 2 CPU cores)"
+    if meta.continued_from_step and meta.continued_from_training is None:
+        text += f", the steps after {meta.continued_from_step} only (the adapter it continued recorded none)"
+    return text
+
+
 def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
     config = flat_values(meta.training_config)
-    last = len(inputs.train_logs) - 1  # the release's own run: only the steps its adapter holds
-    seconds = sum(_log_seconds(p, meta.trained_steps if i == last else None) for i, p in enumerate(inputs.train_logs))
-    cpus = sorted({c for p in inputs.train_logs for c in _log_cpus(p)})
+    wall_time = _wall_time(training_time(inputs, meta), meta)
     sources = [Path(p).name.removesuffix(".jsonl") for p in str(config.get("data", "")).split(",") if p]
     data_rows = "".join(f"| {s} | {DATA_LICENCES.get(s, 'see its source')} |\n" for s in sources)
     return f"""## Training
@@ -300,8 +339,7 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
 {inputs.command or train_command(config)}
 ```
 
-- Steps: {meta.trained_steps}, each a batch of {config.get("batch_size")} pairs; wall time {seconds / 3600:.1f} h of
-  training steps ({", ".join(cpus) or "CPU not recorded"}; 2 CPU cores).
+- Steps: {meta.trained_steps}, each a batch of {config.get("batch_size")} pairs; {wall_time}.
 - Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
 
 | source | licence |

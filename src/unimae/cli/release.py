@@ -32,8 +32,15 @@ def add_release_parser(sub: argparse._SubParsersAction) -> None:
 
 def _release(args: argparse.Namespace) -> int:
     from unimae.files import atomic_write_text
-    from unimae.release import REPOSITORY_RELEASES, check_release_name, make_release, release_meta, release_revisions
-    from unimae.release_card import CardInputs, build_card
+    from unimae.release import (
+        REPOSITORY_RELEASES,
+        check_release_name,
+        make_release,
+        record_training,
+        release_meta,
+        release_revisions,
+    )
+    from unimae.release_card import CardInputs, build_card, training_time
 
     check_release_name(args.name)
     root = Path(args.root) if args.root else REPOSITORY_RELEASES
@@ -55,13 +62,15 @@ def _release(args: argparse.Namespace) -> int:
         meta = release_meta(inputs.release)
         card = build_card(inputs, meta, release_revisions(inputs.release))
         atomic_write_text(inputs.release / "README.md", card)
+        record_training(inputs.release, training_time(inputs, meta))  # known now: later cards need no logs
         print(f"wrote the model card of {inputs.release}")
         return 0
     if not args.adapter:
         raise ValueError("--adapter is needed to write a release (or pass --card-only)")
     from unimae.adapter import adapter_meta
 
-    card = build_card(inputs, adapter_meta(args.adapter), release_revisions(args.adapter))
-    out = make_release(args.adapter, args.name, root, card=card)
+    meta = adapter_meta(args.adapter)
+    card = build_card(inputs, meta, release_revisions(args.adapter))
+    out = make_release(args.adapter, args.name, root, card=card, training=training_time(inputs, meta))
     print(f"wrote release {out}")
     return 0

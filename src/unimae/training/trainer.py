@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from unimae.adapter import (
     INIT_ADAPTER,
     AdapterMeta,
+    TrainingTime,
     adapter_meta,
     adapter_revision,
     attach_adapter,
@@ -510,6 +511,7 @@ def _save_adapter(run: _Run, step: int) -> Path:
         init_lora_revision=_init_lora_revision(config),
         training_config=config.to_dict(),
         continued_from_step=continued_step(config) if config.continue_adapter else None,
+        continued_from_training=_continued_training(config),
     )
     with writing(adapter_dir, partial=partial):
         write_adapter_meta(partial, meta)
@@ -517,6 +519,15 @@ def _save_adapter(run: _Run, step: int) -> Path:
     if config.merge and not config.full_params:
         save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
     return adapter_dir
+
+
+def _continued_training(config: TrainConfig) -> TrainingTime | None:
+    """The wall time of the steps ``--continue-adapter``'s adapter held, where it records them (a release made
+    since releases record it): its sittings' logs stay on the machines that ran them. None otherwise."""
+    if not config.continue_adapter:
+        return None
+    release = adapter_meta(config.continue_adapter).release
+    return release.training if release else None
 
 
 def _init_lora_revision(config: TrainConfig) -> str | None:
