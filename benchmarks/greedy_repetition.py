@@ -8,11 +8,22 @@ The generation suite scores likelihoods of given answers; it does not show a mod
 - ``distinct_words``: distinct words / words, averaged over the prompts (1.0: no word twice);
 - ``repeated_trigrams``: 1 - distinct word 3-grams / 3-grams, averaged (0.0: no 3-gram twice; a loop -> near 1).
 
+Each measure comes with its standard error over the prompts (``*_se``), and each adapter beside the base model of the
+same run with the paired difference of its repeated 3-grams from the base's, prompt by prompt, and that difference's
+standard error (``vs_base``): eight prompts cannot tell a small difference from the prompts' spread.
+
+Prompt sets (``--prompt-set``): ``plain``, the eight fixed prompts below (the default; earlier results used them);
+``wiki-heldout``, the first ``--prompt-words`` words of ``--prompts`` held-out Wikipedia paragraphs (the local data
+folder's enwiki-gensim held-out split, evenly spaced through it), text that no training stage saw.
+
 Deterministic (greedy), so one run per setup. Writes ``--output`` (default
-``results/generation-<model short name>/greedy-repetition.json``), one entry per label, other labels kept.
+``results/generation-<model short name>/greedy-repetition.json`` for ``plain``,
+``greedy-repetition-wiki-heldout.json`` for the other set), one entry per label, other labels kept.
 
     python benchmarks/greedy_repetition.py --model gemma3-270m --adapters none \\
         unimae=runs/gemma3-270m/unimae-p0.5/adapter retrieval=runs/gemma3-270m/unimae-p0.5-simcse-sup/adapter
+    python benchmarks/greedy_repetition.py --model smollm2-135m --prompt-set wiki-heldout --prompts 64 \\
+        --adapters none release=unimae-smollm2-135m-retriever
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from __future__ import annotations
 import argparse
 import statistics
 from pathlib import Path
+
+from tqdm import tqdm
 
 from unimae.adapter import adapter_revision
 from unimae.files import update_json
@@ -49,20 +62,58 @@ def repetition(text: str) -> dict[str, float]:
     }
 
 
-def score(model: str, adapter: str | None, precision: str, new_tokens: int) -> dict:
-    """The setup's continuations and their mean repetition measures."""
+def prompt_set(name: str, count: int, words: int) -> list[str]:
+    """The prompts of set ``name`` (see the module doc): the fixed eight, or the first ``words`` words of ``count``
+    held-out Wikipedia paragraphs spaced evenly through the split."""
+    if name == "plain":
+        return PROMPTS
+    from unimae.data.corpus import load_passages
+
+    passages = load_passages("enwiki-gensim:heldout")
+    if not 1 <= count <= len(passages):
+        raise SystemExit(f"--prompts must be between 1 and {len(passages)} (the held-out paragraphs), got {count}")
+    chosen = [passages[i * len(passages) // count][1] for i in range(count)]
+    return [" ".join(text.split()[:words]) for text in chosen]
+
+
+def standard_error(values: list[float]) -> float:
+    """The standard error of the mean of ``values`` (0 for fewer than two)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
+def score(model: str, adapter: str | None, precision: str, new_tokens: int, prompts: list[str]) -> dict:
+    """The setup's continuations, their mean repetition measures and those means' standard errors."""
     from unimae.encoder import Encoder
     from unimae.generation.sampling import GenerationParams
 
     encoder = Encoder.from_pretrained(model, adapter=adapter, precision=precision)
     params = GenerationParams(max_new_tokens=new_tokens)
-    texts = [encoder.generate(prompt, params=params) for prompt in PROMPTS]
+    texts = [encoder.generate(prompt, params=params) for prompt in tqdm(prompts, desc=adapter or "base", leave=False)]
     measures = [repetition(text) for text in texts]
+    means = {key: round(statistics.mean(m[key] for m in measures), 4) for key in measures[0]}
+    errors = {f"{key}_se": round(standard_error([m[key] for m in measures]), 4) for key in measures[0]}
     return {
         "adapter": adapter,
         "revision": adapter_revision(resolve_adapter(adapter)),  # a release card quotes only its own adapter's
-        **{key: round(statistics.mean(m[key] for m in measures), 4) for key in measures[0]},
-        "continuations": dict(zip(PROMPTS, texts, strict=True)),
+        **means,
+        **errors,
+        "continuations": dict(zip(prompts, texts, strict=True)),
+    }
+
+
+def versus_base(result: dict, base: dict) -> dict:
+    """The paired difference of ``result``'s repeated 3-grams from ``base``'s over the same prompts, and its
+    standard error: positive means the adapter repeats more."""
+    pairs = [
+        (repetition(text)["repeated_trigrams"], repetition(base["continuations"][prompt])["repeated_trigrams"])
+        for prompt, text in result["continuations"].items()
+    ]
+    differences = [a - b for a, b in pairs]
+    return {
+        "repeated_trigrams_diff": round(statistics.mean(differences), 4),
+        "repeated_trigrams_diff_se": round(standard_error(differences), 4),
+        "prompts_more": sum(d > 0 for d in differences),
+        "prompts_fewer": sum(d < 0 for d in differences),
     }
 
 
@@ -72,19 +123,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--adapters", nargs="+", default=["none"], help="label=path, or none (the base model)")
     parser.add_argument("--precision", default="bf16", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-set", default="plain", choices=["plain", "wiki-heldout"])
+    parser.add_argument("--prompts", type=int, default=64, help="wiki-heldout: how many paragraphs (default 64)")
+    parser.add_argument("--prompt-words", type=int, default=8, help="wiki-heldout: words of each (default 8)")
     parser.add_argument("--output", type=Path)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    output = args.output or ROOT / "results" / f"generation-{args.model.split('-')[0]}" / "greedy-repetition.json"
+    name = "greedy-repetition.json" if args.prompt_set == "plain" else f"greedy-repetition-{args.prompt_set}.json"
+    output = args.output or ROOT / "results" / f"generation-{args.model.split('-')[0]}" / name
+    prompts = prompt_set(args.prompt_set, args.prompts, args.prompt_words)
     update = {}
     for entry in args.adapters:
         label, _, path = entry.partition("=")
         adapter = None if entry == "none" else path or label
-        result = score(args.model, adapter, args.precision, args.new_tokens)
+        result = score(args.model, adapter, args.precision, args.new_tokens, prompts)
         result.update(model=args.model, precision=args.precision, new_tokens=args.new_tokens, cpu_model=cpu_model())
+        result.update(prompt_set=args.prompt_set, prompts=len(prompts))
+        if "base" in update and entry != "none":
+            result["vs_base"] = versus_base(result, update["base"])
         update["base" if entry == "none" else label] = result
         print(
             f"{label:>12}: distinct words {result['distinct_words']:.3f}, repeated 3-grams "
