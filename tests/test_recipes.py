@@ -149,10 +149,9 @@ elif args[0] == "release":
 '''
 
 
-def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_release(tmp_path):
-    """STOP_EARLY: each point that rose becomes the release; when the average falls (step 240 below 160), the
-    final stage evaluates and releases step 160's adapter (the release's), keeps 240's aside, and a later sitting
-    trains no further."""
+def _stand_ins(tmp_path: Path, averages: dict) -> dict:
+    """The recipe's settings with the file-writing stand-in CLI (curve averages as given) and a python that records
+    and skips the benchmarks, evaluating STS17 up to 400 steps."""
     import json
     import sys
 
@@ -162,9 +161,18 @@ def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_
     python.write_text(f'#!/bin/sh\n{skip_benchmarks}\nexec {ROOT}/.venv/bin/python "$@"\n')
     for tool in (cli, python):
         tool.chmod(0o755)
-    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0}
     env = {"TASKS": "STS17", "SUP_STEPS": "400", "PYTHON": str(python), "FAKE_AVERAGES": json.dumps(averages)}
-    lines = _retrieval_calls(tmp_path, {**env, "UNIMAE": str(cli)})
+    return {**env, "UNIMAE": str(cli)}
+
+
+def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_release(tmp_path):
+    """STOP_EARLY: each point that rose becomes the release; when the average falls (step 240 below 160), the
+    final stage evaluates and releases step 160's adapter (the release's), keeps 240's aside, and a later sitting
+    trains no further."""
+    import json
+
+    env = _stand_ins(tmp_path, {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0})
+    lines = _retrieval_calls(tmp_path, env)
     trains = [line for line in lines if line.startswith("train") and "--steps" in line]  # the supervised stage
     # not 320: the average fell at 240
     assert [line.split("--steps ")[1].split()[0] for line in trains] == ["80", "160", "240"]
@@ -179,8 +187,8 @@ def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_
     assert final and all(f"--adapter {run / 'adapter'}" in line for line in final)
     assert json.loads((run / "stopped-early.json").read_text())["best"] == 160
     assert (run / "adapter-best" / "adapter_model.safetensors").read_text() == "weights of step 160"
-    calls.write_text("")
-    again = _retrieval_calls(tmp_path, {**env, "UNIMAE": str(cli)})  # a later sitting: no more training
+    (tmp_path / "calls").write_text("")
+    again = _retrieval_calls(tmp_path, env)  # a later sitting: no more training
     assert not any(line.startswith("train") for line in again) and again[-1].startswith("release")
 
 
@@ -189,14 +197,7 @@ def _fresh_machine(tmp_path: Path, averages: dict) -> tuple[dict, Path]:
     (scored on the trained adapter it was made from) and later ones are in the results."""
     import hashlib
     import json
-    import sys
 
-    calls, cli, python = tmp_path / "calls", tmp_path / "fake-unimae-files", tmp_path / "python"
-    cli.write_text(FAKE_CLI.format(python=sys.executable, calls=str(calls)))
-    skip_benchmarks = f'case "$1" in benchmarks/*) echo "$*" >> {calls}; exit 0;; esac'
-    python.write_text(f'#!/bin/sh\n{skip_benchmarks}\nexec {ROOT}/.venv/bin/python "$@"\n')
-    for tool in (cli, python):
-        tool.chmod(0o755)
     release = tmp_path / "releases" / "r"
     release.mkdir(parents=True)
     (release / "adapter_model.safetensors").write_text("bf16 weights of step 80")
@@ -208,8 +209,7 @@ def _fresh_machine(tmp_path: Path, averages: dict) -> tuple[dict, Path]:
         point = tmp_path / "out" / "curve" / label
         point.mkdir(parents=True)
         (point / "run.json").write_text(json.dumps({"tasks": ["STS17"], "revision": trained}))
-    env = {"TASKS": "STS17", "SUP_STEPS": "400", "PYTHON": str(python), "FAKE_AVERAGES": json.dumps(averages)}
-    return {**env, "UNIMAE": str(cli)}, release
+    return _stand_ins(tmp_path, averages), release
 
 
 def test_retrieval_recipe_on_a_fresh_machine_keeps_a_stop_the_curve_recorded(tmp_path):
