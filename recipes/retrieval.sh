@@ -152,7 +152,8 @@ release() {  # releases/RELEASE from the run's adapter, its card from the result
   $UNIMAE release "${write[@]}" --name "$RELEASE" --root "$RELEASES" --dev-results "$dev" "${summary[@]}" \
     --generation "results/generation-$SHORT/retrieval/generation.json" \
     --base-generation "results/generation-$SHORT/base-full-scorer/generation.json" --rag "$OUT/rag.json" \
-    --repetition "results/generation-$SHORT/greedy-repetition.json" --table "$dims" \
+    --repetition "results/generation-$SHORT/greedy-repetition.json" \
+    --repetition "results/generation-$SHORT/greedy-repetition-wiki-heldout.json" --table "$dims" \
     --table "$OUT/curve/curve.json" --train-log "$run/log.jsonl" --command "MODEL=$MODEL bash recipes/retrieval.sh"
 }
 
@@ -299,6 +300,8 @@ if [ "$RAG_QUESTIONS" -gt 0 ]; then
 fi
 if [ "$GENERATION" = 1 ]; then
   $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "release=$final"  # own label: earlier rows stay
+  $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --prompt-set wiki-heldout --prompts 64 --adapters none \
+    "release=$final"  # 64 held-out prompts: the paired difference from the base with its standard error
   $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
     --output-dir "results/generation-$SHORT/retrieval"
   $UNIMAE evaluate generation --model "$MODEL" --data-dir "$DATA" --output-dir "results/generation-$SHORT/base-full-scorer"

@@ -100,15 +100,31 @@ def test_a_card_quotes_only_its_own_adapters_generation_rag_and_repetition(tmp_p
         rag=write(
             "rag.json", {"revision": "old", "rag": [{"mode": "one", "retrieval_acc_at_1": 0.9, "questions": 20}]}
         ),
-        repetition=write(
-            "rep.json", {"base": {"repeated_trigrams": 1.0}, "x": {"revision": "old", "repeated_trigrams": 2.0}}
-        ),
+        repetition=[
+            write("rep.json", {"base": {"repeated_trigrams": 1.0}, "x": {"revision": "old", "repeated_trigrams": 2.0}}),
+            write(
+                "rep-wiki.json",
+                {
+                    "base": {"repeated_trigrams": 0.05, "repeated_trigrams_se": 0.01},
+                    "y": {
+                        "revision": "old",
+                        "repeated_trigrams": 0.04,
+                        "repeated_trigrams_se": 0.02,
+                        "prompts": 64,
+                        "prompt_set": "wiki-heldout",
+                        "vs_base": {"repeated_trigrams_diff": -0.01, "repeated_trigrams_diff_se": 0.005},
+                    },
+                },
+            ),
+        ],
     )
     stale = _generation_lines(inputs, "new")
     assert "not measured for this adapter yet" in stale and "3-grams" not in stale and "base model: 50.00" in stale
     assert _rag_lines(inputs, "new") == ""
     own = _generation_lines(inputs, "old")
-    assert "this adapter: 50.00" in own and "2.00 (base model 1.00)" in own
+    assert "this adapter: 50.00" in own and "(8 plain prompts): 2.000 (base model 1.000)" in own
+    wiki = "(64 wiki-heldout prompts): 0.040 +- 0.020 (base model 0.050 +- 0.010; paired difference -0.010 +- 0.005)"
+    assert wiki in own
     assert "retrieval acc@1 0.90 over 20 questions" in _rag_lines(inputs, "old")
     every = {"all_paragraphs": 676, "all_paragraphs_acc_at_1": 0.8817, "all_paragraphs_acc_at_1_se": 0.0124}
     inputs.rag.write_text(json.dumps({"revision": "old", "rag": [{"mode": "one", "retrieval_acc_at_1": 0.9, **every}]}))

@@ -51,7 +51,7 @@ class CardInputs:
     generation: Path | None = None
     base_generation: Path | None = None
     rag: Path | None = None
-    repetition: Path | None = None
+    repetition: list[Path] = field(default_factory=list)  # greedy_repetition.py JSONs (one per prompt set)
     extra_tables: list[Path] = field(default_factory=list)  # summary JSONs (dimensions, index kinds) to show
     train_logs: list[Path] = field(default_factory=list)  # log.jsonl of each sitting of the training run
     command: str = ""  # the recipe command that trained it
@@ -255,16 +255,34 @@ def _generation_lines(inputs: CardInputs, revision: Revision) -> str:
             lines.append(
                 f"- Generation ({n} lm-eval tasks, every item, average accuracy), {label}: {mean * 100:.2f}{spread}"
             )
-    if inputs.repetition is not None and Path(inputs.repetition).is_file():
-        rows = read_json(inputs.repetition, "repetition result")
-        own = [r for r in rows.values() if isinstance(r, dict) and accepts(revision, r.get("revision"))]
-        base = rows.get("base") if isinstance(rows.get("base"), dict) else None
-        if own and base and "repeated_trigrams" in own[0]:
-            lines.append(
-                f"- Greedy generation, repeated word 3-grams per continuation: {own[0]['repeated_trigrams']:.2f} "
-                f"(base model {base['repeated_trigrams']:.2f})"
-            )
+    lines += [line for path in inputs.repetition if (line := _repetition_line(Path(path), revision))]
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _repetition_line(path: Path, revision: Revision) -> str:
+    """The released adapter's repeated word 3-grams in one greedy_repetition.py JSON beside the base model's, with
+    the prompt set, the standard errors and the paired difference where the file records them ('' if it holds
+    no row of this adapter)."""
+    if not path.is_file():
+        return ""
+    rows = read_json(path, "repetition result")
+    own = [r for r in rows.values() if isinstance(r, dict) and accepts(revision, r.get("revision"))]
+    base = rows.get("base") if isinstance(rows.get("base"), dict) else None
+    if not (own and base and "repeated_trigrams" in own[0]):
+        return ""
+    row = own[0]
+    spread = lambda r: f" +- {r['repeated_trigrams_se']:.3f}" if "repeated_trigrams_se" in r else ""  # noqa: E731
+    prompts = f"{row.get('prompts', 8)} {row.get('prompt_set', 'plain')} prompts"
+    versus = row.get("vs_base") or {}
+    paired = (
+        f"; paired difference {versus['repeated_trigrams_diff']:+.3f} +- {versus['repeated_trigrams_diff_se']:.3f}"
+        if "repeated_trigrams_diff" in versus
+        else ""
+    )
+    return (
+        f"- Greedy generation, repeated word 3-grams per continuation ({prompts}): {row['repeated_trigrams']:.3f}"
+        f"{spread(row)} (base model {base['repeated_trigrams']:.3f}{spread(base)}{paired})"
+    )
 
 
 def _rag_lines(inputs: CardInputs, revision: Revision) -> str:

@@ -23,7 +23,9 @@ def add_release_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--generation", help="generation.json of the adapter (unimae evaluate generation).")
     parser.add_argument("--base-generation", help="generation.json of the base model.")
     parser.add_argument("--rag", help="The RAG benchmark JSON.")
-    parser.add_argument("--repetition", help="The greedy-repetition JSON.")
+    parser.add_argument(
+        "--repetition", action="append", default=[], help="A greedy-repetition JSON (repeat: one per prompt set)."
+    )
     parser.add_argument("--table", action="append", default=[], help="More summary JSONs to show (repeat).")
     parser.add_argument("--train-log", action="append", default=[], help="log.jsonl of each training sitting.")
     parser.add_argument("--command", default="", help="The recipe command that trained it (for the card).")
@@ -53,7 +55,7 @@ def _release(args: argparse.Namespace) -> int:
         generation=optional(args.generation),
         base_generation=optional(args.base_generation),
         rag=optional(args.rag),
-        repetition=optional(args.repetition),
+        repetition=[Path(r) for r in args.repetition],
         extra_tables=[Path(t) for t in args.table],
         train_logs=[Path(t) for t in args.train_log],
         command=args.command,
