@@ -462,3 +462,45 @@ def test_make_pairs_wiki_writes_pairs_the_trainer_reads(tmp_path):
         assert len(pairs) == (5 if mode == "ict" else 6)
         if mode == "title":
             assert pairs[1] == {"query": "Article 1", "positive": paragraphs[1]["text"], "source": out.stem}
+
+
+# --- the learning-rate schedule -------------------------------------------------------------------------
+
+
+def test_lr_schedules_decay_from_their_step_to_zero_at_the_end(tiny_model_dirs):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
+    assert [_method(tokenizer, steps=10).lr_lambda(s) for s in range(10)] == [1.0] * 10, "constant by default"
+    linear = [_method(tokenizer, steps=10, lr_schedule="linear", lr_decay_from=4).lr_lambda(s) for s in range(10)]
+    assert linear[:5] == [1.0] * 5
+    assert linear[5:] == pytest.approx([1 - k / 6 for k in range(1, 6)])
+    cosine = _method(tokenizer, steps=10, lr_schedule="cosine")
+    assert cosine.lr_lambda(0) == 1.0 and cosine.lr_lambda(5) == pytest.approx(0.5) and cosine.lr_lambda(10) < 1e-12
+    assert all(cosine.lr_lambda(s) > cosine.lr_lambda(s + 1) for s in range(9))
+    assert cosine.fixed_on_resume(0) == set() and cosine.fixed_on_resume(3) == {"steps"}, "a decay under way"
+    assert _method(tokenizer, steps=10).fixed_on_resume(3) == set()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(lr_schedule="linear", lr_decay_from=10), "must start before the last step"),
+        (dict(lr_decay_from=-1), "--lr-decay-from must be >= 0"),
+        (dict(lr_schedule="step"), "lr_schedule"),
+    ],
+)
+def test_bad_lr_schedules_are_clear_errors(tiny_model_dirs, overrides, message):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]))
+    with pytest.raises(ValueError, match=message):
+        _method(tokenizer, steps=10, **overrides)
+
+
+def test_a_continued_run_may_decay_its_learning_rate_over_the_new_steps(tiny_model_dirs, tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", _records(24))
+    tiny = tiny_model_dirs["llama"]
+    train(_config(tiny, data, tmp_path / "a", steps=2))
+    source = str(tmp_path / "a" / "adapter")
+    decay = dict(lr_schedule="linear", lr_decay_from=2, save_every=1)
+    train(_config(tiny, data, tmp_path / "b", steps=4, continue_adapter=source, **decay))
+    assert [r["lr"] for r in _log(tmp_path / "b")] == pytest.approx([5e-3, 2.5e-3]), "1 then 1/2 of --lr"
+    with pytest.raises(ValueError, match="steps 4 -> 6"):  # resuming it with another length would bend the decay
+        train(_config(tiny, data, tmp_path / "b", steps=6, continue_adapter=source, **decay), resume=True)

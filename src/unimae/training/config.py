@@ -131,7 +131,8 @@ class TrainConfig:
             "help": "Train this adapter's own LoRA further, from the step it holds (its unimae.json's "
             "trained_steps) to --steps, with the same data order: a run continued where its checkpoints are "
             "gone (another machine, a release). The optimizer starts afresh (Adam's moments are not in an "
-            "adapter); its init adapter, if any, is merged as in its own run. Needs a new --output-dir."
+            "adapter), so --lr and the contrastive --lr-schedule may differ from its run; its init adapter, if "
+            "any, is merged as in its own run. Needs a new --output-dir."
         },
     )
 

@@ -171,6 +171,11 @@ _RESUME_MAY_CHANGE = {
     "steps", "save_every", "threads", "output_dir", "merge", "model", "recipe", "gradient_checkpointing",
     "ce_chunk_size", "device",
 }  # fmt: skip
+# ...and a run continued from an adapter (``--continue-adapter``): its optimizer starts afresh anyway, so its learning
+# rate and the contrastive schedule may change too (e.g. a decay over the new steps).
+_CONTINUE_MAY_CHANGE = _RESUME_MAY_CHANGE | {
+    "continue_adapter", "init_adapter", "init_lora", "lr", "lr_schedule", "lr_decay_from",
+}  # fmt: skip
 
 
 def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, fingerprint: str, fixed=()) -> None:
@@ -335,13 +340,13 @@ def _with_continued_init(config: TrainConfig) -> TrainConfig:
 
 def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
     """Load ``--continue-adapter``'s LoRA weights into the fresh LoRA of this run, after checking that the adapter
-    was trained on this base with this configuration (the same settings a ``--resume`` may not change)."""
+    was trained on this base with this configuration (the settings a ``--resume`` may not change, but for the
+    learning rate and its schedule: the optimizer starts afresh)."""
     source = Path(config.continue_adapter)
     meta = adapter_meta(source)
     if meta.base_fingerprint != fingerprint:
         raise ValueError(f"--continue-adapter {source} was trained on another base model ({meta.base_model})")
-    free = _RESUME_MAY_CHANGE | {"continue_adapter", "init_adapter", "init_lora"}
-    changed = _changed_settings(meta.training_config, config, free)
+    changed = _changed_settings(meta.training_config, config, _CONTINUE_MAY_CHANGE)
     if changed:
         raise ValueError(f"--continue-adapter {source}: these settings differ from its run ({', '.join(changed)})")
     _load_lora_weights(objective.llm, source, "--continue-adapter")

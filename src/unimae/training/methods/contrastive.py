@@ -16,12 +16,15 @@ project, not of the papers: short unprompted texts, which mteb embeds without a 
 the training distribution).
 ``--matryoshka-dims`` sums InfoNCE over the full vector and each truncated prefix (see
 :class:`~unimae.losses.supervised_contrastive.ContrastiveObjective`); the dimensions are saved in the spec as well.
+``--lr-schedule linear|cosine`` decays ``--lr`` from step ``--lr-decay-from`` to 0 at ``--steps`` (constant by
+default, UniMAE App. C; the decay is this project's option, see :meth:`Contrastive.lr_lambda`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -31,7 +34,7 @@ from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pair
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
-from unimae.training.config import TrainConfig
+from unimae.training.config import TrainConfig, choice_field
 from unimae.training.methods.base import Context, Method, pooled_batch
 from unimae.training.methods.options import InfoNCEOptions, pooling_field
 from unimae.training.methods.registry import register_method
@@ -40,6 +43,8 @@ from unimae.training.methods.simcse import init_spec_with_pooling
 __all__ = ["Contrastive", "ContrastiveOptions", "load_pairs"]
 
 logger = logging.getLogger(__name__)
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -121,6 +126,21 @@ class ContrastiveOptions(InfoNCEOptions):
             "(sentence-transformers' MatryoshkaLoss, weights 1); empty: off."
         },
     )
+    lr_schedule: str = choice_field(
+        "constant",
+        LR_SCHEDULES,
+        "[decision] Multiplier of --lr over the run: 'constant' (UniMAE App. C, the papers' supervised stages), or "
+        "'linear' / 'cosine' from 1 at --lr-decay-from to 0 at --steps (sentence-transformers' default is linear "
+        "with warm-up). A run continued from a release decays over its own steps with --lr-decay-from set to the "
+        "release's step.",
+    )
+    lr_decay_from: int = field(
+        default=0,
+        metadata={
+            "help": "With --lr-schedule linear or cosine: the step (0-based, counted over the whole run, a continued "
+            "adapter's steps included) where the decay starts; the steps before it keep --lr."
+        },
+    )
     grad_cache_chunk: int = field(
         default=0,
         metadata={
@@ -152,7 +172,17 @@ class ContrastiveOptions(InfoNCEOptions):
         parse_dims(self.matryoshka_dims)  # a ValueError naming --matryoshka-dims
         if not 0 <= self.query_prompt_dropout <= 1:
             raise ValueError(f"--query-prompt-dropout must be in [0, 1], got {self.query_prompt_dropout}")
+        self._check_schedule(config)
         self._check_grad_cache(config, world_size)
+
+    def _check_schedule(self, config: TrainConfig) -> None:
+        if self.lr_decay_from < 0:
+            raise ValueError(f"--lr-decay-from must be >= 0, got {self.lr_decay_from}")
+        if self.lr_schedule != "constant" and self.lr_decay_from >= config.steps:
+            raise ValueError(
+                f"--lr-schedule {self.lr_schedule} decays from --lr-decay-from {self.lr_decay_from} to 0 at --steps "
+                f"{config.steps}: the decay must start before the last step"
+            )
 
     def _check_grad_cache(self, config: TrainConfig, world_size: int) -> None:
         chunk = self.grad_cache_chunk
@@ -200,6 +230,21 @@ class Contrastive(Method):
         if self.mixture is None or len(self.mixture.pairs) != num_examples:
             raise RuntimeError("Contrastive.example_order needs the pairs of load_data()")
         return self.mixture.order(self.config.batch_size, seed)
+
+    def fixed_on_resume(self, step: int) -> set[str]:
+        decaying = self.options.lr_schedule != "constant" and step > self.options.lr_decay_from
+        return {"steps"} if decaying else set()  # a decay under way ends at --steps: another would bend it
+
+    def lr_lambda(self, step: int) -> float:
+        """Multiplier of ``--lr`` at 0-based step ``step``: 1 before ``--lr-decay-from`` (s0), then with progress
+        p = (step - s0) / (steps - s0), linear 1 - p or cosine (1 + cos(pi p)) / 2 (0 at ``--steps``)."""
+        o = self.options
+        if o.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, max(0.0, (step - o.lr_decay_from) / max(1, self.config.steps - o.lr_decay_from)))
+        if o.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def build_objective(self, llm):
         o = self.options
