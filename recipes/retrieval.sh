@@ -22,12 +22,17 @@
 # end a sitting: SIGTERM the training (it writes its adapter at the step it reached), then `RELEASE_ONLY=1 bash
 # recipes/retrieval.sh` writes the release from that adapter and its last curve point (where the run's adapter is
 # gone, it rewrites the release's card: `unimae release --card-only`).
+# COOLDOWN=N (default 0: off): after a stop, the best point's adapter trains N more steps (into $RUNS/$SUP_RUN-
+# cooldown, `--continue-adapter`) with --lr decaying linearly to 0 (`--lr-schedule linear`), on the batches the
+# constant-rate run saw after it; its curve point (label cooldown-step-M) replaces the best point, and is released,
+# if its dev average rose above it. A later sitting, here or on a fresh machine, keeps that decision.
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
 # SUP_BATCH (256), SUP_CHUNK (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt), TEMPERATURE,
 # SUP_FLAGS (more flags), CURVE_EVERY (80), CURVE_MAX_LENGTH (256), STOP_EARLY (1), TASKS (dev; "" skips the
-# evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release).
+# evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release),
+# COOLDOWN (0).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -56,6 +61,7 @@ TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
 GENERATION=${GENERATION:-1}
 RELEASE_ONLY=${RELEASE_ONLY:-0}
+COOLDOWN=${COOLDOWN:-0}
 
 # shellcheck source=recipes/retrieval_data.sh
 source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
@@ -63,6 +69,7 @@ source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC,
 source "$(dirname "$0")/train_run.sh"
 
 run=$RUNS/$SUP_RUN
+point=step  # curve labels of the run's adapter: step-N, or cooldown-step-N once a cooldown replaced the best point
 init=()
 if [ "$START" = unimae ]; then  # the UniMAE stage is needed only to start the supervised one afresh
   if [ ! -d "$run/checkpoints" ] && [ ! -f "$run/adapter/adapter_config.json" ] && [ ! -f "$RELEASES/$RELEASE/unimae.json" ]; then
@@ -103,18 +110,18 @@ rotate() {  # the run's adapter's Matryoshka rotation (PCA of its embeddings of 
 
 curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (labels pca-dK-step-N: not curve
   # rows), after the rotation, scored from the vectors the curve point cached; prints the summary's path
-  local labels=("step-$1") tasks
-  tasks=$($PYTHON -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["tasks"]))' "$OUT/curve/step-$1/run.json")
+  local labels=("$point-$1") tasks
+  tasks=$($PYTHON -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["tasks"]))' "$OUT/curve/$point-$1/run.json")
   rotate
   for d in ${MRL_DIMS//,/ }; do
     # shellcheck disable=SC2086  # tasks is a word list on purpose
     $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$run/adapter" --tasks $tasks --data-dir "$DATA" \
-      --output-dir "$OUT/curve" --label "pca-d$d-step-$1" --max-length "$CURVE_MAX_LENGTH" --dimensions "$d" >&2
-    labels+=("pca-d$d-step-$1")
+      --output-dir "$OUT/curve" --label "pca-d$d-$point-$1" --max-length "$CURVE_MAX_LENGTH" --dimensions "$d" >&2
+    labels+=("pca-d$d-$point-$1")
   done
   # shellcheck disable=SC2086
-  $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $tasks --name "dimensions-step-$1" --labels "${labels[@]}" >&2
-  echo "$OUT/curve/dimensions-step-$1.json"
+  $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $tasks --name "dimensions-$point-$1" --labels "${labels[@]}" >&2
+  echo "$OUT/curve/dimensions-$point-$1.json"
 }
 
 scored_for() {  # folder adapter: true if the folder's run.json was evaluated for that adapter as it is now (for a
@@ -131,21 +138,25 @@ EOF
 release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter; on a fresh
   # machine, where the run's adapter is gone, the release's card alone, from the results of its own weights
   local adapter=$run/adapter write=(--adapter "$run/adapter") dev=$OUT/retrieval-eos summary=() steps
-  local dims=$OUT/dimensions.json
+  local dims=$OUT/dimensions.json command="MODEL=$MODEL bash recipes/retrieval.sh"
   if [ ! -f "$adapter/unimae.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
     adapter=$RELEASES/$RELEASE
     write=(--card-only)
   fi
+  steps=$(adapter_steps "$adapter")
+  if scored_for "$OUT/curve/cooldown-step-$steps" "$adapter"; then  # a cooldown's adapter (RELEASE_ONLY finds it so)
+    point=cooldown-step
+  fi
+  [ "$point" = step ] || command="COOLDOWN=$((steps - $(decay_from "$adapter"))) $command"
   if scored_for "$dev" "$adapter"; then
     summary=(--summary "$OUT/summary.json")
   else  # a sitting's end: the curve point of the adapter's step, or at least STS17 (the release test's task)
-    steps=$(adapter_steps "$adapter")
-    dev=$OUT/curve/step-$steps
+    dev=$OUT/curve/$point-$steps
     if [ "${write[0]}" = --card-only ]; then
-      dims=$OUT/curve/dimensions-step-$steps.json  # written when the release was made
+      dims=$OUT/curve/dimensions-$point-$steps.json  # written when the release was made
     else
       scored_for "$dev" "$adapter" || $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$adapter" \
-        --tasks STS17 --data-dir "$DATA" --output-dir "$OUT/curve" --label "step-$steps" --max-length "$CURVE_MAX_LENGTH"
+        --tasks STS17 --data-dir "$DATA" --output-dir "$OUT/curve" --label "$point-$steps" --max-length "$CURVE_MAX_LENGTH"
       dims=$(curve_dimensions "$steps")
     fi
   fi
@@ -154,13 +165,13 @@ release() {  # releases/RELEASE from the run's adapter, its card from the result
     --base-generation "results/generation-$SHORT/base-full-scorer/generation.json" --rag "$OUT/rag.json" \
     --repetition "results/generation-$SHORT/greedy-repetition.json" \
     --repetition "results/generation-$SHORT/greedy-repetition-wiki-heldout.json" --table "$dims" \
-    --table "$OUT/curve/curve.json" --train-log "$run/log.jsonl" --command "MODEL=$MODEL bash recipes/retrieval.sh"
+    --table "$OUT/curve/curve.json" --train-log "$run/log.jsonl" --command "$command"
 }
 
-if [ "$RELEASE_ONLY" = 1 ]; then
-  release
-  exit 0
-fi
+decay_from() {  # adapter: the step its learning-rate decay started at (--lr-decay-from, in its unimae.json)
+  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["training_config"]["options"]["lr_decay_from"])' \
+    "$1/unimae.json"
+}
 
 steps_held() {  # the steps the run's adapter holds, else the release's (a fresh machine), else 0
   $PYTHON - "$run/adapter/unimae.json" "$RELEASES/$RELEASE/unimae.json" <<'EOF'
@@ -195,6 +206,15 @@ keep_best() {  # the run's adapter, just scored and released as the best point s
   mv "$run/adapter-best.tmp" "$run/adapter-best"
 }
 
+copy_adapter() {  # source folder: the adapter's files (and its Matryoshka rotation) into that folder, made afresh
+  rm -rf "$2"
+  mkdir -p "$2"
+  cp "$1"/{adapter_model.safetensors,adapter_config.json,unimae.json} "$2/"
+  if [ -f "$1/matryoshka_rotation.safetensors" ]; then
+    cp "$1/matryoshka_rotation.safetensors" "$2/"
+  fi
+}
+
 restore_best() {  # best last: the dev average fell from step best to step last -> the run's adapter is best's again
   local want source=""
   want=$(revision_of scored "$OUT/curve/step-$1/run.json")
@@ -202,16 +222,18 @@ restore_best() {  # best last: the dev average fell from step best to step last 
     source=$run/adapter-best
   elif [ -n "$want" ] && [ "$(revision_of release "$RELEASES/$RELEASE")" = "$want" ]; then
     source=$RELEASES/$RELEASE  # made from step best's adapter (its weights in bf16)
+  elif [ -n "$want" ] && [ "$COOLDOWN" -gt 0 ] && [ "$(revision_of release "$RELEASES/$RELEASE")" \
+    = "$(revision_of scored "$OUT/curve/cooldown-step-$(($1 + COOLDOWN))/run.json")" ]; then
+    echo "retrieval.sh: the release is step $1's cooldown (an earlier sitting's); the cooldown stage takes it"
+    mkdir -p "$run"
+    printf '{"best": %s, "stopped_at": %s, "adapter": ""}\n' "$1" "$2" >"$run/stopped-early.json"
+    return 0
   else
     echo "retrieval.sh: neither $run/adapter-best nor the release is step $1's adapter: the final stage takes the run's"
     return 0
   fi
-  rm -rf "$run/adapter.restore" "$run/adapter-step-$2"
-  mkdir -p "$run/adapter.restore"
-  cp "$source"/{adapter_model.safetensors,adapter_config.json,unimae.json} "$run/adapter.restore/"
-  if [ -f "$source/matryoshka_rotation.safetensors" ]; then
-    cp "$source/matryoshka_rotation.safetensors" "$run/adapter.restore/"
-  fi
+  rm -rf "$run/adapter-step-$2"
+  copy_adapter "$source" "$run/adapter.restore"
   if [ -d "$run/adapter" ]; then  # else a fresh machine: step $2's adapter went with the earlier one's machine
     mv "$run/adapter" "$run/adapter-step-$2"
   fi
@@ -226,6 +248,66 @@ import json, sys
 rows = json.load(open(sys.argv[1]))
 sys.exit(0 if rows[sys.argv[3]]["average"] > rows[sys.argv[2]]["average"] else 1)
 EOF
+}
+
+curve_labels() {  # pattern sort-key: the curve folder's points of that name pattern, in step order
+  find "$OUT/curve" -mindepth 1 -maxdepth 1 -type d -name "$1" -printf '%f\n' | sort -t- -k"$2" -n | tr '\n' ' '
+}
+
+curve_summary() {  # curve.json: every curve point, the constant-rate steps, then the cooldowns
+  # shellcheck disable=SC2046  # the labels are a word list on purpose
+  $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $TASKS --name curve \
+    --labels $(curve_labels 'step-*' 2) $(curve_labels 'cooldown-step-*' 3)
+}
+
+restore_release() {  # folder: the release's weights become that adapter folder
+  copy_adapter "$RELEASES/$RELEASE" "$1.restore"
+  rm -rf "$1"
+  mv "$1.restore" "$1"
+}
+
+stopped_best() {  # the best step of the stop the run recorded
+  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"])' "$RUNS/$SUP_RUN/stopped-early.json"
+}
+
+cooldown_rose() {  # best steps: true if the cooldown point of that many steps rose above step best's
+  [ -f "$OUT/curve/cooldown-step-$2/run.json" ] && rose "step-$1" "cooldown-step-$2"
+}
+
+cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0; the run's
+  # adapter from here on (run and point switch to it) if its dev average rose above step best's
+  local best steps label want
+  best=$(stopped_best)
+  steps=$((best + COOLDOWN))
+  label=cooldown-step-$steps
+  if [ ! -f "$OUT/curve/$label/run.json" ]; then
+    train_run "$cool" "${sup_flags[@]}" --continue-adapter "$run/adapter" --lr-schedule linear \
+      --lr-decay-from "$best" --steps "$steps"
+    [ -n "$TASKS" ] || return 0
+    # shellcheck disable=SC2086  # TASKS is a word list on purpose
+    $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$cool/adapter" --tasks $TASKS --data-dir "$DATA" \
+      --output-dir "$OUT/curve" --label "$label" --max-length "$CURVE_MAX_LENGTH"
+    curve_summary
+  fi
+  if ! cooldown_rose "$best" "$steps"; then
+    echo "retrieval.sh: the cooldown ($label) did not rise above step-$best: the final stage takes step $best's adapter"
+    return 0
+  fi
+  want=$(revision_of scored "$OUT/curve/$label/run.json")
+  if [ "$(revision_of folder "$cool/adapter")" != "$want" ]; then
+    if [ "$(revision_of release "$RELEASES/$RELEASE")" != "$want" ]; then
+      echo "retrieval.sh: $label rose, but neither $cool/adapter nor the release is its adapter; delete" \
+        "$OUT/curve/$label to train the cooldown again" >&2
+      return 1
+    fi
+    restore_release "$cool/adapter"  # a fresh machine: the release was made from the cooldown's adapter
+  fi
+  echo "retrieval.sh: the cooldown ($label) rose above step-$best: the final stage takes its adapter"
+  run=$cool
+  point=cooldown-step
+  if [ "$(revision_of release "$RELEASES/$RELEASE")" != "$(revision_of folder "$run/adapter")" ]; then
+    release
+  fi
 }
 
 supervised_stage() {  # CURVE_EVERY steps at a time, with a dev-suite point after each
@@ -250,9 +332,7 @@ for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVER
     echo "retrieval.sh: no curve point at step $steps (a sitting ended past it; its adapter is gone)"
     continue
   fi
-  labels=$(ls -d "$OUT"/curve/step-* | xargs -n1 basename | sort -t- -k2 -n | tr '\n' ' ')
-  # shellcheck disable=SC2086  # labels and TASKS are word lists on purpose
-  $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $TASKS --name curve --labels $labels
+  curve_summary
   if [ "$STOP_EARLY" = 1 ] && [ -n "$previous" ] && ! rose "$previous" "step-$steps"; then
     echo "retrieval.sh: the dev average did not rise from $previous to step-$steps: the stage stops here"
     restore_best "${previous#step-}" "$steps"
@@ -267,10 +347,24 @@ for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVER
 done
 }
 
+cool=$RUNS/$SUP_RUN-cooldown
+if [ "$RELEASE_ONLY" = 1 ]; then
+  if [ -f "$run/stopped-early.json" ] && [ -f "$cool/adapter/unimae.json" ] \
+    && cooldown_rose "$(stopped_best)" "$(adapter_steps "$cool/adapter")"; then
+    run=$cool  # a cooldown replaced the best point
+    point=cooldown-step
+  fi
+  release
+  exit 0
+fi
+
 if [ "$STOP_EARLY" = 1 ] && [ -f "$run/stopped-early.json" ]; then
   echo "retrieval.sh: the supervised stage stopped early ($(cat "$run/stopped-early.json")); on to the final stage"
 else
   supervised_stage
+fi
+if [ "$COOLDOWN" -gt 0 ] && [ -f "$run/stopped-early.json" ]; then
+  cooldown_stage
 fi
 
 final=$run/adapter

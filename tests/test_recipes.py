@@ -120,7 +120,9 @@ revision = lambda a: hashlib.sha256(Path(a, "adapter_model.safetensors").read_by
 if args[0] == "train":
     run, steps = Path(opt("--output-dir")), int(opt("--steps") or 0)
     (run / "adapter").mkdir(parents=True, exist_ok=True)
-    (run / "adapter" / "unimae.json").write_text(json.dumps({{"trained_steps": steps, "embedding": {{}}}}))
+    config = {{"options": {{"lr_decay_from": int(opt("--lr-decay-from") or 0)}}}}
+    meta = {{"trained_steps": steps, "embedding": {{}}, "training_config": config}}
+    (run / "adapter" / "unimae.json").write_text(json.dumps(meta))
     (run / "adapter" / "adapter_config.json").write_text("{{}}")
     (run / "adapter" / "adapter_model.safetensors").write_text(f"weights of step {{steps}}")
     (run / "checkpoints" / f"step-{{steps:06d}}").mkdir(parents=True, exist_ok=True)
@@ -144,7 +146,8 @@ elif args[0] == "release":
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy(Path(opt("--adapter")) / name, target / name)
     meta = json.loads(Path(opt("--adapter"), "unimae.json").read_text())
-    meta["release"] = {{"source_revision": revision(opt("--adapter"))}}
+    source = (meta.get("release") or {{}}).get("source_revision") or revision(opt("--adapter"))  # a copy keeps it
+    meta["release"] = {{"source_revision": source}}
     (target / "unimae.json").write_text(json.dumps(meta))
 '''
 
@@ -233,3 +236,79 @@ def test_retrieval_recipe_release_only_on_a_fresh_machine_rewrites_the_card(tmp_
     out = tmp_path / "out" / "curve"
     assert len(lines) == 1 and lines[0].startswith("release --card-only --name r")
     assert f"--dev-results {out / 'step-80'}" in lines[0] and f"--table {out / 'dimensions-step-80.json'}" in lines[0]
+
+
+def _cooldown_calls(tmp_path: Path, cooldown_average: float) -> tuple[list[str], Path, Path]:
+    """The recipe with COOLDOWN=40 where the curve fell from step 160 to 240: (its calls, the run, the cooldown run)."""
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": cooldown_average}
+    lines = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), "COOLDOWN": "40"})
+    return lines, tmp_path / "runs" / "retriever", tmp_path / "runs" / "retriever-cooldown"
+
+
+def test_retrieval_recipe_cooldown_that_rose_becomes_the_release(tmp_path):
+    """COOLDOWN=40 after the stop at 240: step 160's adapter trains 40 more steps with a linear decay; its curve
+    point rose above step 160's, so it is released (the card's command names the cooldown) and the final stage takes
+    it; a later sitting trains nothing."""
+    lines, run, cool = _cooldown_calls(tmp_path, 63.0)
+    trains = [line for line in lines if line.startswith("train")]
+    assert f"--output-dir {cool}" in trains[-1] and f"--continue-adapter {run / 'adapter'}" in trains[-1]
+    assert "--lr-schedule linear --lr-decay-from 160 --steps 200" in trains[-1]
+    assert any("--label cooldown-step-200" in line for line in lines)
+    curve = [line for line in lines if "--name curve" in line][-1]
+    assert curve.endswith("--labels step-80 step-160 step-240 cooldown-step-200")
+    release = tmp_path / "releases" / "r"
+    assert (release / "adapter_model.safetensors").read_text() == "weights of step 200"
+    releases = [line for line in lines if line.startswith("release")]
+    assert "--command COOLDOWN=40 MODEL=" in releases[-1] and f"--adapter {cool / 'adapter'}" in releases[-1]
+    final = [line for line in lines if "--label retrieval-eos " in line + " "]
+    assert final and all(f"--adapter {cool / 'adapter'}" in line for line in final)
+    (tmp_path / "calls").write_text("")
+    again = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, {}), "COOLDOWN": "40"})
+    assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
+
+
+def test_retrieval_recipe_cooldown_that_fell_leaves_the_best_point(tmp_path):
+    lines, run, cool = _cooldown_calls(tmp_path, 61.5)
+    assert (cool / "adapter" / "adapter_model.safetensors").read_text() == "weights of step 200"
+    assert (tmp_path / "releases" / "r" / "adapter_model.safetensors").read_text() == "weights of step 160"
+    final = [line for line in lines if "--label retrieval-eos " in line + " "]
+    assert final and all(f"--adapter {run / 'adapter'}" in line for line in final)
+    assert "--command MODEL=" in [line for line in lines if line.startswith("release")][-1]
+
+
+def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_path):
+    """The release is the cooldown of step 80 (its curve point rose), the curve fell from 80 to 160: a fresh machine
+    trains nothing, restores the release as the cooldown's adapter and finishes on it."""
+    import hashlib
+    import json
+
+    revision = lambda text: hashlib.sha256(text.encode()).hexdigest()[:12]  # noqa: E731
+    release = tmp_path / "releases" / "r"
+    release.mkdir(parents=True)
+    (release / "adapter_model.safetensors").write_text("bf16 weights of step 120")
+    (release / "adapter_config.json").write_text("{}")
+    config = {"options": {"lr_decay_from": 80}}
+    meta = {"trained_steps": 120, "embedding": {"rotation": "r0"}, "training_config": config}
+    meta["release"] = {"source_revision": revision("weights of step 120")}
+    (release / "unimae.json").write_text(json.dumps(meta))
+    for label, step in (("step-80", 80), ("step-160", 160), ("cooldown-step-120", 120)):
+        (tmp_path / "out" / "curve" / label).mkdir(parents=True)
+        record = {"tasks": ["STS17"], "revision": revision(f"weights of step {step}")}
+        (tmp_path / "out" / "curve" / label / "run.json").write_text(json.dumps(record))
+    averages = {"step-80": 62.0, "step-160": 61.0, "cooldown-step-120": 63.0}
+    env = {**_stand_ins(tmp_path, averages), "COOLDOWN": "40"}
+    only = _retrieval_calls(tmp_path, {**env, "RELEASE_ONLY": "1"})  # the card alone, from the cooldown's point
+    out = tmp_path / "out" / "curve"
+    assert len(only) == 1 and only[0].startswith("release --card-only --name r") and "COOLDOWN=40 MODEL=" in only[0]
+    assert f"--dev-results {out / 'cooldown-step-120'}" in only[0]
+    assert f"--table {out / 'dimensions-cooldown-step-120.json'}" in only[0]
+    (tmp_path / "calls").write_text("")
+    lines = _retrieval_calls(tmp_path, env)
+    cool = tmp_path / "runs" / "retriever-cooldown"
+    assert not any(line.startswith("train") for line in lines)
+    assert (cool / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 120"
+    assert lines[-1].startswith(f"release --adapter {cool / 'adapter'}") and "COOLDOWN=40 MODEL=" in lines[-1]
+    (tmp_path / "calls").write_text("")
+    again = _retrieval_calls(tmp_path, {**env, "RELEASE_ONLY": "1"})  # here, after it: still the cooldown's
+    assert again[0].startswith(f"release --adapter {cool / 'adapter'}")
+    assert f"--train-log {cool / 'log.jsonl'}" in again[0]

@@ -145,13 +145,13 @@ def test_a_card_table_shows_no_average_for_a_row_with_missing_tasks(tmp_path):
 
 
 def test_the_cards_wall_time_counts_each_step_of_the_released_adapter_once(tmp_path):
-    from unimae.release_card import _log_seconds
+    from unimae.adapter import TrainingTime
 
     log = tmp_path / "log.jsonl"
     steps = [(1, 10.0), (2, 10.0), (3, 99.0), (3, 10.0), (4, 10.0)]  # step 3 logged again after a resume
     log.write_text("".join(json.dumps({"step": s, "seconds": t}) + "\n" for s, t in steps))
-    assert _log_seconds(log) == 40.0
-    assert _log_seconds(log, up_to=2) == 20.0
+    assert TrainingTime.from_log(log) == TrainingTime(40.0, ())
+    assert TrainingTime.from_log(log, up_to=2).seconds == 20.0
 
 
 def test_an_evaluation_by_release_name_records_the_released_weights_revision(
@@ -203,11 +203,12 @@ def test_a_release_name_is_one_folder_and_a_stopped_swap_loses_no_release(adapte
 
 
 def test_a_card_skips_a_cut_off_training_log_line_and_names_a_bad_result_file(tmp_path):
-    from unimae.release_card import _log_seconds, _main_score, _rag_lines
+    from unimae.adapter import TrainingTime
+    from unimae.release_card import _main_score, _rag_lines
 
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "seconds": 2.0}\n{"step": 2, "seconds": 3.0}\n{"step": 3, "sec')
-    assert _log_seconds(log) == 5.0
+    assert TrainingTime.from_log(log).seconds == 5.0
     (tmp_path / "rag.json").write_text("{not json")
     inputs = CardInputs(name="r", release=tmp_path, dev_results=tmp_path, rag=tmp_path / "rag.json")
     with pytest.raises(ValueError, match=r"rag\.json is not valid JSON"):
@@ -294,6 +295,10 @@ def test_a_release_records_its_training_time_and_a_continued_run_adds_to_it(tiny
     new_log = _log(tmp_path / "more" / "log.jsonl", [(3, 1800.0)])  # the new sitting's own step
     again = CardInputs("tiny-retriever", out, dev, train_logs=[new_log])
     assert training_time(again, continued).seconds == 5400.0
+    # continued again from that run's adapter (no release): its run folder's log up to its step, plus its record
+    further = dict(output_dir=str(tmp_path / "further"), steps=steps + 2)
+    train(dataclasses.replace(config, continue_adapter=str(tmp_path / "more" / "adapter"), **further))
+    assert adapter_meta(tmp_path / "further" / "adapter").continued_from_training.seconds == 5400.0
 
 
 def test_a_card_made_before_releases_recorded_training_time_keeps_its_stated_one(adapter, tmp_path):

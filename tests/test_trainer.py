@@ -73,7 +73,7 @@ def test_run_json_lists_the_cpu_of_every_sitting(tmp_path, monkeypatch):
     import json
 
     import unimae.training.trainer as trainer
-    from unimae.release_card import _log_cpus
+    from unimae.adapter import TrainingTime
 
     record = tmp_path / "run.json"
     monkeypatch.setattr(trainer, "cpu_model", lambda: "CPU B")
@@ -82,4 +82,4 @@ def test_run_json_lists_the_cpu_of_every_sitting(tmp_path, monkeypatch):
     assert trainer._sitting_cpus(record, 40) == ["CPU A", "CPU B"]
     assert trainer._sitting_cpus(record, 0) == ["CPU B"], "a fresh run does not inherit an old run's machines"
     record.write_text(json.dumps({"cpu_models": ["CPU A", "CPU B"]}))
-    assert _log_cpus(tmp_path / "log.jsonl") == ["CPU A", "CPU B"]
+    assert TrainingTime.from_log(tmp_path / "log.jsonl").cpu_models == ("CPU A", "CPU B")

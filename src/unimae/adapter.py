@@ -27,7 +27,7 @@ import torch
 
 from unimae.embedding.rotation import fit_rotation, save_rotation
 from unimae.embedding.spec import EmbeddingSpec
-from unimae.files import atomic_write_json, read_json
+from unimae.files import atomic_write_json, read_json, read_log_lines
 from unimae.models import grow_vocabulary, load_model, load_tokenizer
 
 ADAPTER_META = "unimae.json"
@@ -70,6 +70,19 @@ class TrainingTime:
         if not isinstance(data, Mapping) or not isinstance(data.get("seconds"), int | float):
             return None
         return cls(float(data["seconds"]), tuple(str(c) for c in data.get("cpu_models") or ()))
+
+    @classmethod
+    def from_log(cls, path: str | Path, up_to: int | None = None) -> TrainingTime:
+        """The wall time a run's ``log.jsonl`` logged, each step once (a resumed run logs the steps after its
+        checkpoint again: the last record counts), only steps <= ``up_to`` when given (a run that went on past the
+        adapter at hand), and the CPU models its ``run.json`` beside records."""
+        records = [record for _, record in read_log_lines(path)]
+        by_step = {r.get("step", i): r.get("seconds", 0.0) for i, r in enumerate(records)}
+        run = Path(path).with_name("run.json")
+        record = read_json(run, "run record") if run.is_file() else {}
+        cpus = list(record.get("cpu_models", [])) + ([record["cpu_model"]] if record.get("cpu_model") else [])
+        seconds = sum(v for step, v in by_step.items() if up_to is None or step <= up_to)
+        return cls(seconds, tuple(sorted(set(cpus))))
 
     def __add__(self, other: TrainingTime | None) -> TrainingTime:
         if other is None:

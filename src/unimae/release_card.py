@@ -18,7 +18,7 @@ from pathlib import Path
 from unimae.adapter import AdapterMeta, TrainingTime
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
-from unimae.files import read_json, read_log_lines
+from unimae.files import read_json
 from unimae.training.config import TrainConfig, flag_defaults, flat_values
 
 # The base models of the offline short names: the Hugging Face ids and licences a card names.
@@ -317,9 +317,8 @@ def training_time(inputs: CardInputs, meta: AdapterMeta) -> TrainingTime | None:
     logs = [Path(p) for p in inputs.train_logs if Path(p).is_file()]
     if logs:
         last = len(logs) - 1  # the release's own run: only the steps its adapter holds
-        seconds = sum(_log_seconds(p, meta.trained_steps if i == last else None) for i, p in enumerate(logs))
-        cpus = tuple(sorted({c for p in logs for c in _log_cpus(p)}))
-        return TrainingTime(seconds, cpus) + meta.continued_from_training
+        times = [TrainingTime.from_log(p, meta.trained_steps if i == last else None) for i, p in enumerate(logs)]
+        return sum(times[1:], times[0]) + meta.continued_from_training
     if meta.release is None:  # a run's adapter without its logs
         return None
     return meta.release.training or card_training_time(Path(inputs.release) / "README.md")
@@ -386,20 +385,6 @@ def shell_word(text: str) -> str:
     if "\n" in text:
         return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
     return shlex.quote(text)
-
-
-def _log_seconds(path: Path, up_to: int | None = None) -> float:
-    """Seconds of a run's logged steps, each step once (a resumed run logs the steps after its checkpoint again:
-    the last record counts), only steps <= ``up_to`` when given (a run that went on past its release)."""
-    records = [record for _, record in read_log_lines(path)]
-    by_step = {r.get("step", i): r.get("seconds", 0.0) for i, r in enumerate(records)}
-    return sum(v for step, v in by_step.items() if up_to is None or step <= up_to)
-
-
-def _log_cpus(path: Path) -> list[str]:
-    run = Path(path).with_name("run.json")
-    record = read_json(run, "run record") if run.is_file() else {}
-    return list(record.get("cpu_models", [])) + ([record["cpu_model"]] if record.get("cpu_model") else [])
 
 
 def _limits(meta: AdapterMeta) -> str:

@@ -527,12 +527,18 @@ def _save_adapter(run: _Run, step: int) -> Path:
 
 
 def _continued_training(config: TrainConfig) -> TrainingTime | None:
-    """The wall time of the steps ``--continue-adapter``'s adapter held, where it records them (a release made
-    since releases record it): its sittings' logs stay on the machines that ran them. None otherwise."""
+    """The wall time of the steps ``--continue-adapter``'s adapter held: what a release records (its sittings' logs
+    stay on the machines that ran them), else the ``log.jsonl`` of the run folder that holds the adapter, up to its
+    step, plus what that adapter carries from one it was continued from itself. None where nothing records it."""
     if not config.continue_adapter:
         return None
-    release = adapter_meta(config.continue_adapter).release
-    return release.training if release else None
+    meta = adapter_meta(config.continue_adapter)
+    if meta.release:
+        return meta.release.training
+    log = Path(config.continue_adapter).parent / "log.jsonl"
+    if not log.is_file():
+        return meta.continued_from_training
+    return TrainingTime.from_log(log, meta.trained_steps) + meta.continued_from_training
 
 
 def _init_lora_revision(config: TrainConfig) -> str | None:
