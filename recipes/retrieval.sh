@@ -25,7 +25,9 @@
 # COOLDOWN=N (default 0: off): after a stop, the best point's adapter trains N more steps (into $RUNS/$SUP_RUN-
 # cooldown, `--continue-adapter`) with --lr decaying linearly to 0 (`--lr-schedule linear`), on the batches the
 # constant-rate run saw after it; its curve point (label cooldown-step-M) replaces the best point, and is released,
-# if its dev average rose above it. A later sitting, here or on a fresh machine, keeps that decision.
+# if its dev average rose above it. Every later sitting, here or on a fresh machine, with COOLDOWN set or not, keeps
+# that decision (read from the curve, the cooldown's folder and the release); to try another N, delete
+# $RUNS/$SUP_RUN-cooldown and the curve point first.
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
@@ -69,6 +71,7 @@ source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC,
 source "$(dirname "$0")/train_run.sh"
 
 run=$RUNS/$SUP_RUN
+cool=$RUNS/$SUP_RUN-cooldown
 point=step  # curve labels of the run's adapter: step-N, or cooldown-step-N once a cooldown replaced the best point
 init=()
 if [ "$START" = unimae ]; then  # the UniMAE stage is needed only to start the supervised one afresh
@@ -85,6 +88,11 @@ sup_flags=(--model "$MODEL" --method contrastive "${init[@]}" --data "$files" --
 
 train_to() {  # steps: the supervised stage up to that many steps (resumed, or continued from the release)
   if [ ! -d "$run/checkpoints" ] && [ ! -f "$run/adapter/adapter_config.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
+    if [ -n "$(decay_from "$RELEASES/$RELEASE")" ]; then
+      echo "retrieval.sh: the release ended with a learning-rate decay (a cooldown): the constant-rate stage cannot" \
+        "continue from it (its curve points are missing from $OUT/curve)" >&2
+      exit 1
+    fi
     $UNIMAE train --continue-adapter "$RELEASES/$RELEASE" --output-dir "$run" "${sup_flags[@]}" --steps "$1"
   else
     train_run "$run" "${sup_flags[@]}" --steps "$1"
@@ -122,6 +130,16 @@ curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (
   # shellcheck disable=SC2086
   $UNIMAE evaluate summary --output-dir "$OUT/curve" --tasks $tasks --name "dimensions-$point-$1" --labels "${labels[@]}" >&2
   echo "$OUT/curve/dimensions-$point-$1.json"
+}
+
+released_from() {  # adapter: true if the release was made from that adapter (or is a copy of it)
+  $PYTHON - "$1" "$RELEASES/$RELEASE" <<'EOF'
+import sys
+from pathlib import Path
+from unimae.release import release_meta, release_revisions
+made = Path(sys.argv[2], "unimae.json").is_file() and release_meta(sys.argv[2]).release
+sys.exit(0 if made and made.source_revision in release_revisions(sys.argv[1]) else 1)
+EOF
 }
 
 scored_for() {  # folder adapter: true if the folder's run.json was evaluated for that adapter as it is now (for a
@@ -168,9 +186,12 @@ release() {  # releases/RELEASE from the run's adapter, its card from the result
     --table "$OUT/curve/curve.json" --train-log "$run/log.jsonl" --command "$command"
 }
 
-decay_from() {  # adapter: the step its learning-rate decay started at (--lr-decay-from, in its unimae.json)
-  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["training_config"]["options"]["lr_decay_from"])' \
-    "$1/unimae.json"
+decay_from() {  # adapter: the step its learning-rate decay started at (--lr-decay-from); '' for a constant rate
+  $PYTHON - "$1/unimae.json" <<'EOF'
+import json, sys
+options = json.load(open(sys.argv[1])).get("training_config", {}).get("options", {})
+print(options.get("lr_decay_from", "") if options.get("lr_schedule", "constant") != "constant" else "")
+EOF
 }
 
 steps_held() {  # the steps the run's adapter holds, else the release's (a fresh machine), else 0
@@ -222,8 +243,7 @@ restore_best() {  # best last: the dev average fell from step best to step last 
     source=$run/adapter-best
   elif [ -n "$want" ] && [ "$(revision_of release "$RELEASES/$RELEASE")" = "$want" ]; then
     source=$RELEASES/$RELEASE  # made from step best's adapter (its weights in bf16)
-  elif [ -n "$want" ] && [ "$COOLDOWN" -gt 0 ] && [ "$(revision_of release "$RELEASES/$RELEASE")" \
-    = "$(revision_of scored "$OUT/curve/cooldown-step-$(($1 + COOLDOWN))/run.json")" ]; then
+  elif [ -f "$RELEASES/$RELEASE/unimae.json" ] && [ "$(decay_from "$RELEASES/$RELEASE")" = "$1" ]; then
     echo "retrieval.sh: the release is step $1's cooldown (an earlier sitting's); the cooldown stage takes it"
     mkdir -p "$run"
     printf '{"best": %s, "stopped_at": %s, "adapter": ""}\n' "$1" "$2" >"$run/stopped-early.json"
@@ -242,16 +262,26 @@ restore_best() {  # best last: the dev average fell from step best to step last 
   echo "retrieval.sh: the final stage takes step $1's adapter ($source); step $2's is in $run/adapter-step-$2"
 }
 
-rose() {  # from to: true if the curve's dev average rose from label 'from' to label 'to'
-  $PYTHON - "$OUT/curve/curve.json" "$1" "$2" <<'EOF'
+rose() {  # from to: true if the curve's dev average rose from label 'from' to label 'to' (an error if either row
+  # is missing or incomplete)
+  local code=0
+  $PYTHON - "$OUT/curve/curve.json" "$1" "$2" <<'EOF' || code=$?
 import json, sys
 rows = json.load(open(sys.argv[1]))
+for label in sys.argv[2:]:
+    if label not in rows or rows[label].get("missing"):
+        print(f"retrieval.sh: the curve has no complete row {label} ({sys.argv[1]})", file=sys.stderr)
+        sys.exit(2)
 sys.exit(0 if rows[sys.argv[3]]["average"] > rows[sys.argv[2]]["average"] else 1)
 EOF
+  [ "$code" -le 1 ] || exit "$code"
+  return "$code"
 }
 
 curve_labels() {  # pattern sort-key: the curve folder's points of that name pattern, in step order
-  find "$OUT/curve" -mindepth 1 -maxdepth 1 -type d -name "$1" -printf '%f\n' | sort -t- -k"$2" -n | tr '\n' ' '
+  for folder in "$OUT"/curve/$1; do
+    [ ! -d "$folder" ] || basename "$folder"
+  done | sort -t- -k"$2" -n | tr '\n' ' '
 }
 
 curve_summary() {  # curve.json: every curve point, the constant-rate steps, then the cooldowns
@@ -270,44 +300,53 @@ stopped_best() {  # the best step of the stop the run recorded
   $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"])' "$RUNS/$SUP_RUN/stopped-early.json"
 }
 
-cooldown_rose() {  # best steps: true if the cooldown point of that many steps rose above step best's
-  [ -f "$OUT/curve/cooldown-step-$2/run.json" ] && rose "step-$1" "cooldown-step-$2"
-}
-
-cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0; the run's
-  # adapter from here on (run and point switch to it) if its dev average rose above step best's
-  local best steps label want
+cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0, and its
+  # curve point (finished tasks are skipped)
+  local best steps
   best=$(stopped_best)
   steps=$((best + COOLDOWN))
-  label=cooldown-step-$steps
-  if [ ! -f "$OUT/curve/$label/run.json" ]; then
+  [ ! -f "$OUT/curve/cooldown-step-$steps/run.json" ] || [ "$(adapter_steps "$cool/adapter")" = "$steps" ] || return 0
+  if [ "$(adapter_steps "$cool/adapter")" != "$steps" ]; then
+    if [ "$(adapter_steps)" != "$best" ]; then
+      echo "retrieval.sh: $run/adapter is not step $best's adapter; the cooldown starts from it" >&2
+      exit 1
+    fi
     train_run "$cool" "${sup_flags[@]}" --continue-adapter "$run/adapter" --lr-schedule linear \
       --lr-decay-from "$best" --steps "$steps"
-    [ -n "$TASKS" ] || return 0
-    # shellcheck disable=SC2086  # TASKS is a word list on purpose
-    $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$cool/adapter" --tasks $TASKS --data-dir "$DATA" \
-      --output-dir "$OUT/curve" --label "$label" --max-length "$CURVE_MAX_LENGTH"
-    curve_summary
   fi
-  if ! cooldown_rose "$best" "$steps"; then
-    echo "retrieval.sh: the cooldown ($label) did not rise above step-$best: the final stage takes step $best's adapter"
-    return 0
+  [ -n "$TASKS" ] || return 0
+  # shellcheck disable=SC2086  # TASKS is a word list on purpose
+  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$cool/adapter" --tasks $TASKS --data-dir "$DATA" \
+    --output-dir "$OUT/curve" --label "cooldown-step-$steps" --max-length "$CURVE_MAX_LENGTH"
+  curve_summary
+}
+
+took_cooldown() {  # true if a cooldown of the stop's best step rose above it: run and point switch to its adapter (on
+  # a fresh machine restored from the release made of it)
+  local best steps=""
+  best=$(stopped_best)
+  if [ -f "$cool/adapter/unimae.json" ] && [ "$(decay_from "$cool/adapter")" = "$best" ]; then
+    steps=$(adapter_steps "$cool/adapter")
+  elif [ -f "$RELEASES/$RELEASE/unimae.json" ] && [ "$(decay_from "$RELEASES/$RELEASE")" = "$best" ]; then
+    steps=$(adapter_steps "$RELEASES/$RELEASE")
   fi
-  want=$(revision_of scored "$OUT/curve/$label/run.json")
-  if [ "$(revision_of folder "$cool/adapter")" != "$want" ]; then
-    if [ "$(revision_of release "$RELEASES/$RELEASE")" != "$want" ]; then
-      echo "retrieval.sh: $label rose, but neither $cool/adapter nor the release is its adapter; delete" \
-        "$OUT/curve/$label to train the cooldown again" >&2
-      return 1
+  [ -n "$steps" ] && [ -f "$OUT/curve/cooldown-step-$steps/run.json" ] || return 1
+  if ! rose "step-$best" "cooldown-step-$steps"; then
+    echo "retrieval.sh: the cooldown (cooldown-step-$steps) did not rise above step-$best: the final stage takes" \
+      "step $best's adapter"
+    return 1
+  fi
+  if ! scored_for "$OUT/curve/cooldown-step-$steps" "$cool/adapter"; then
+    if ! scored_for "$OUT/curve/cooldown-step-$steps" "$RELEASES/$RELEASE"; then
+      echo "retrieval.sh: cooldown-step-$steps rose, but neither $cool/adapter nor the release is its adapter; delete" \
+        "$OUT/curve/cooldown-step-$steps to train the cooldown again" >&2
+      exit 1
     fi
     restore_release "$cool/adapter"  # a fresh machine: the release was made from the cooldown's adapter
   fi
-  echo "retrieval.sh: the cooldown ($label) rose above step-$best: the final stage takes its adapter"
+  echo "retrieval.sh: the cooldown (cooldown-step-$steps) rose above step-$best: the final stage takes its adapter"
   run=$cool
   point=cooldown-step
-  if [ "$(revision_of release "$RELEASES/$RELEASE")" != "$(revision_of folder "$run/adapter")" ]; then
-    release
-  fi
 }
 
 supervised_stage() {  # CURVE_EVERY steps at a time, with a dev-suite point after each
@@ -347,12 +386,9 @@ for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVER
 done
 }
 
-cool=$RUNS/$SUP_RUN-cooldown
 if [ "$RELEASE_ONLY" = 1 ]; then
-  if [ -f "$run/stopped-early.json" ] && [ -f "$cool/adapter/unimae.json" ] \
-    && cooldown_rose "$(stopped_best)" "$(adapter_steps "$cool/adapter")"; then
-    run=$cool  # a cooldown replaced the best point
-    point=cooldown-step
+  if [ -f "$run/stopped-early.json" ] && [ -f "$cool/adapter/unimae.json" ]; then
+    took_cooldown || true  # a cooldown that replaced the best point is what the release holds
   fi
   release
   exit 0
@@ -363,8 +399,13 @@ if [ "$STOP_EARLY" = 1 ] && [ -f "$run/stopped-early.json" ]; then
 else
   supervised_stage
 fi
-if [ "$COOLDOWN" -gt 0 ] && [ -f "$run/stopped-early.json" ]; then
-  cooldown_stage
+if [ "$STOP_EARLY" = 1 ] && [ -f "$run/stopped-early.json" ]; then
+  if [ "$COOLDOWN" -gt 0 ]; then
+    cooldown_stage
+  fi
+  if took_cooldown && ! released_from "$run/adapter"; then
+    release
+  fi
 fi
 
 final=$run/adapter

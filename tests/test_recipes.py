@@ -120,7 +120,8 @@ revision = lambda a: hashlib.sha256(Path(a, "adapter_model.safetensors").read_by
 if args[0] == "train":
     run, steps = Path(opt("--output-dir")), int(opt("--steps") or 0)
     (run / "adapter").mkdir(parents=True, exist_ok=True)
-    config = {{"options": {{"lr_decay_from": int(opt("--lr-decay-from") or 0)}}}}
+    schedule = {{"lr_schedule": opt("--lr-schedule") or "constant", "lr_decay_from": int(opt("--lr-decay-from") or 0)}}
+    config = {{"options": schedule}}
     meta = {{"trained_steps": steps, "embedding": {{}}, "training_config": config}}
     (run / "adapter" / "unimae.json").write_text(json.dumps(meta))
     (run / "adapter" / "adapter_config.json").write_text("{{}}")
@@ -263,8 +264,27 @@ def test_retrieval_recipe_cooldown_that_rose_becomes_the_release(tmp_path):
     final = [line for line in lines if "--label retrieval-eos " in line + " "]
     assert final and all(f"--adapter {cool / 'adapter'}" in line for line in final)
     (tmp_path / "calls").write_text("")
-    again = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, {}), "COOLDOWN": "40"})
+    again = _retrieval_calls(tmp_path, _stand_ins(tmp_path, {}))  # a later sitting, COOLDOWN unset: the decision holds
     assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
+    assert "COOLDOWN=40 MODEL=" in again[-1]
+
+
+def test_retrieval_recipe_finishes_an_interrupted_cooldown_evaluation(tmp_path):
+    """The cooldown's curve point was cut short (its run.json written, its row not in the curve): the next sitting
+    scores it again (finished tasks are skipped) before deciding, rather than taking it for a fall."""
+    import json
+
+    lines, run, cool = _cooldown_calls(tmp_path, 63.0)
+    curve = tmp_path / "out" / "curve" / "curve.json"
+    rows = json.loads(curve.read_text())
+    del rows["cooldown-step-200"]
+    curve.write_text(json.dumps(rows))
+    (tmp_path / "calls").write_text("")
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    again = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), "COOLDOWN": "40"})
+    assert not any(line.startswith("train") for line in again)
+    assert any("--label cooldown-step-200" in line for line in again)
+    assert again[-1].startswith(f"release --adapter {cool / 'adapter'}")
 
 
 def test_retrieval_recipe_cooldown_that_fell_leaves_the_best_point(tmp_path):
@@ -287,7 +307,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     release.mkdir(parents=True)
     (release / "adapter_model.safetensors").write_text("bf16 weights of step 120")
     (release / "adapter_config.json").write_text("{}")
-    config = {"options": {"lr_decay_from": 80}}
+    config = {"options": {"lr_schedule": "linear", "lr_decay_from": 80}}
     meta = {"trained_steps": 120, "embedding": {"rotation": "r0"}, "training_config": config}
     meta["release"] = {"source_revision": revision("weights of step 120")}
     (release / "unimae.json").write_text(json.dumps(meta))
@@ -303,7 +323,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     assert f"--dev-results {out / 'cooldown-step-120'}" in only[0]
     assert f"--table {out / 'dimensions-cooldown-step-120.json'}" in only[0]
     (tmp_path / "calls").write_text("")
-    lines = _retrieval_calls(tmp_path, env)
+    lines = _retrieval_calls(tmp_path, _stand_ins(tmp_path, averages))  # COOLDOWN unset: read from the release
     cool = tmp_path / "runs" / "retriever-cooldown"
     assert not any(line.startswith("train") for line in lines)
     assert (cool / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 120"
