@@ -99,10 +99,20 @@ train_to() {  # steps: the supervised stage up to that many steps (resumed, or c
   fi
 }
 
+json_field() {  # file key...: the JSON file's field at that key path ('' where the file, a key or a value is
+  # missing; a list's items space-separated)
+  $PYTHON - "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+value = json.loads(Path(sys.argv[1]).read_text()) if Path(sys.argv[1]).is_file() else None
+for key in sys.argv[2:]:
+    value = value.get(key) if isinstance(value, dict) else None
+print(" ".join(map(str, value)) if isinstance(value, list) else "" if value is None or value == {} else value)
+EOF
+}
+
 adapter_steps() {  # [folder]: the steps the run's adapter (or that folder) holds ('' without one)
-  local folder=${1:-$run/adapter}
-  [ -f "$folder/unimae.json" ] || return 0
-  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$folder/unimae.json"
+  json_field "${1:-$run/adapter}/unimae.json" trained_steps
 }
 
 curve_point() {  # steps: the dev suite of the adapter at that step (texts cut to CURVE_MAX_LENGTH tokens)
@@ -112,14 +122,14 @@ curve_point() {  # steps: the dev suite of the adapter at that step (texts cut t
 }
 
 rotate() {  # the run's adapter's Matryoshka rotation (PCA of its embeddings of its own training pairs), once
-  $PYTHON -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["embedding"].get("rotation") else 1)' \
-    "$run/adapter/unimae.json" || $UNIMAE rotation --model "$MODEL" --adapter "$run/adapter" >&2
+  [ -n "$(json_field "$run/adapter/unimae.json" embedding rotation)" ] \
+    || $UNIMAE rotation --model "$MODEL" --adapter "$run/adapter" >&2
 }
 
 curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (labels pca-dK-step-N: not curve
   # rows), after the rotation, scored from the vectors the curve point cached; prints the summary's path
   local labels=("$point-$1") tasks
-  tasks=$($PYTHON -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["tasks"]))' "$OUT/curve/$point-$1/run.json")
+  tasks=$(json_field "$OUT/curve/$point-$1/run.json" tasks)
   rotate
   for d in ${MRL_DIMS//,/ }; do
     # shellcheck disable=SC2086  # tasks is a word list on purpose
@@ -187,37 +197,26 @@ release() {  # releases/RELEASE from the run's adapter, its card from the result
 }
 
 decay_from() {  # adapter: the step its learning-rate decay started at (--lr-decay-from); '' for a constant rate
-  $PYTHON - "$1/unimae.json" <<'EOF'
-import json, sys
-options = json.load(open(sys.argv[1])).get("training_config", {}).get("options", {})
-print(options.get("lr_decay_from", "") if options.get("lr_schedule", "constant") != "constant" else "")
-EOF
+  local schedule
+  schedule=$(json_field "$1/unimae.json" training_config options lr_schedule)
+  [ -z "$schedule" ] || [ "$schedule" = constant ] || json_field "$1/unimae.json" training_config options lr_decay_from
 }
 
 steps_held() {  # the steps the run's adapter holds, else the release's (a fresh machine), else 0
-  $PYTHON - "$run/adapter/unimae.json" "$RELEASES/$RELEASE/unimae.json" <<'EOF'
-import json, sys
-from pathlib import Path
-found = [json.loads(Path(p).read_text()).get("trained_steps", 0) for p in sys.argv[1:] if Path(p).is_file()]
-print(found[0] if found else 0)
-EOF
+  local steps
+  steps=$(adapter_steps)
+  [ -n "$steps" ] || steps=$(adapter_steps "$RELEASES/$RELEASE")
+  echo "${steps:-0}"
 }
 
 revision_of() {  # kind path: the adapter revision an evaluation's run.json scored (scored), a folder's weights
   # hash (folder), or the revision a release was made from (release); '' when absent
-  $PYTHON - "$1" "$2" <<'EOF'
-import json, sys
-from pathlib import Path
-kind, path = sys.argv[1], Path(sys.argv[2])
-if kind == "scored":
-    print(json.loads(path.read_text()).get("revision", "") if path.is_file() else "")
-elif kind == "folder":
-    from unimae.adapter import adapter_revision
-    print(adapter_revision(str(path)) if (path / "adapter_model.safetensors").is_file() else "")
-else:
-    meta = json.loads((path / "unimae.json").read_text()) if (path / "unimae.json").is_file() else {}
-    print((meta.get("release") or {}).get("source_revision", ""))
-EOF
+  case $1 in
+    scored) json_field "$2" revision ;;
+    release) json_field "$2/unimae.json" release source_revision ;;
+    folder) [ ! -f "$2/adapter_model.safetensors" ] \
+      || $PYTHON -c 'import sys; from unimae.adapter import adapter_revision; print(adapter_revision(sys.argv[1]))' "$2" ;;
+  esac
 }
 
 keep_best() {  # the run's adapter, just scored and released as the best point so far -> $run/adapter-best
@@ -297,7 +296,7 @@ restore_release() {  # folder: the release's weights become that adapter folder
 }
 
 stopped_best() {  # the best step of the stop the run recorded
-  $PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"])' "$RUNS/$SUP_RUN/stopped-early.json"
+  json_field "$RUNS/$SUP_RUN/stopped-early.json" best
 }
 
 cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0, and its

@@ -179,6 +179,9 @@ def test_two_phase_learning_rate_and_exact_resume(tiny_model_dirs, corpus_file, 
     assert factors[4] == pytest.approx(0.1), "then --lr x 0.1 (paper: 1e-4 -> 1e-5)"
     assert all(a > b > 0 for a, b in zip(factors[4:-1], factors[5:], strict=True)), "cosine decay to 0"
     assert _method(tokenizer, steps=10, gem_switch_step=4, gem_lr_schedule="constant").lr_lambda(9) == 1.0
+    odd = _method(tokenizer, steps=10, gem_switch_step=4, gem_contrastive_lr_scale=0.3)
+    expected = [1.0] * 4 + [0.3 * 0.5 * (1.0 + math.cos(math.pi * (s - 4) / 6)) for s in range(4, 10)]
+    assert [odd.lr_lambda(s) for s in range(10)] == expected, "the same floats as before the schedule was shared"
 
     tiny = tiny_model_dirs["llama"]
     overrides = dict(steps=4, gem_switch_step=2, gem_contrastive_lr_scale=0.1)

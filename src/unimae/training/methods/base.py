@@ -16,6 +16,7 @@ decorating it with :func:`unimae.training.methods.register_method`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -124,6 +125,21 @@ class ViewDropoutMixin:
     def attention_dropout(self) -> float:
         o = self.config.options
         return o.dropout if o.dropout_on == "attention" else 0.0
+
+
+def decayed_lr(schedule: str, step: int, start: int, steps: int, scale: float = 1.0) -> float:
+    """Multiplier of ``--lr`` at 0-based step ``step``: 1 before ``start``, then ``scale`` times the schedule's factor
+    of the progress p = (step - start) / (steps - start): constant 1, linear 1 - p, or cosine (1 + cos(pi p)) / 2
+    (SGDR, arXiv:1608.03983, without restarts), 0 at ``steps``. The supervised contrastive stage's
+    ``--lr-schedule`` (scale 1) and GEM's contrastive phase (``--gem-contrastive-lr-scale``) share it."""
+    if step < start:
+        return 1.0
+    progress = min(1.0, (step - start) / max(1, steps - start))
+    if schedule == "linear":
+        return scale * (1.0 - progress)
+    if schedule == "cosine":
+        return scale * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return scale
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.training.config import TrainConfig, choice_field
-from unimae.training.methods.base import Context, Method, pooled_batch
+from unimae.training.methods.base import Context, Method, decayed_lr, pooled_batch
 from unimae.training.methods.options import InfoNCEOptions, pooling_field
 from unimae.training.methods.registry import register_method
 from unimae.training.methods.simcse import init_spec_with_pooling
@@ -238,13 +237,7 @@ class Contrastive(Method):
     def lr_lambda(self, step: int) -> float:
         """Multiplier of ``--lr`` at 0-based step ``step``: 1 before ``--lr-decay-from`` (s0), then with progress
         p = (step - s0) / (steps - s0), linear 1 - p or cosine (1 + cos(pi p)) / 2 (0 at ``--steps``)."""
-        o = self.options
-        if o.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, max(0.0, (step - o.lr_decay_from) / max(1, self.config.steps - o.lr_decay_from)))
-        if o.lr_schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return decayed_lr(self.options.lr_schedule, step, self.options.lr_decay_from, self.config.steps)
 
     def build_objective(self, llm):
         o = self.options

@@ -28,7 +28,6 @@ The paper's recipe is the default; [open] marks what the paper leaves open, our 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +40,7 @@ from unimae.embedding.tokenization import encode_with_eos, spare_special_tokens
 from unimae.losses.gem import GEMObjective
 from unimae.models import grow_vocabulary
 from unimae.training.config import TrainConfig, choice_field
-from unimae.training.methods.base import Method, has_bos, pad_right
+from unimae.training.methods.base import Method, decayed_lr, has_bos, pad_right
 from unimae.training.methods.options import DropoutViewOptions
 from unimae.training.methods.registry import register_method
 
@@ -251,12 +250,7 @@ class GEM(Method):
         """1 (``--lr``) for the NTP steps, then ``--gem-contrastive-lr-scale`` decayed by a cosine to 0 at
         ``--steps`` (or constant)."""
         o = self.options
-        if step < o.gem_switch_step:
-            return 1.0
-        if o.gem_lr_schedule == "constant":
-            return o.gem_contrastive_lr_scale
-        progress = min(1.0, (step - o.gem_switch_step) / max(1, self.config.steps - o.gem_switch_step))
-        return o.gem_contrastive_lr_scale * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return decayed_lr(o.gem_lr_schedule, step, o.gem_switch_step, self.config.steps, o.gem_contrastive_lr_scale)
 
     def build_objective(self, llm):
         o = self.options
