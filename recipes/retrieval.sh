@@ -36,6 +36,7 @@
 # evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release),
 # COOLDOWN (0).
 set -euo pipefail
+shopt -s inherit_errexit  # a failing command inside $(...) fails the recipe too
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
 RUNS=${RUNS:-runs/$MODEL}
@@ -100,14 +101,14 @@ train_to() {  # steps: the supervised stage up to that many steps (resumed, or c
 }
 
 json_field() {  # file key...: the JSON file's field at that key path ('' where the file, a key or a value is
-  # missing; a list's items space-separated)
+  # missing; a list's items, or an object's keys, space-separated)
   $PYTHON - "$@" <<'EOF'
 import json, sys
 from pathlib import Path
 value = json.loads(Path(sys.argv[1]).read_text()) if Path(sys.argv[1]).is_file() else None
 for key in sys.argv[2:]:
     value = value.get(key) if isinstance(value, dict) else None
-print(" ".join(map(str, value)) if isinstance(value, list) else "" if value is None or value == {} else value)
+print(" ".join(map(str, value)) if isinstance(value, (list, dict)) else "" if value is None else value)
 EOF
 }
 

@@ -109,7 +109,7 @@ def test_retrieval_recipe_continues_from_the_release_on_a_fresh_machine(tmp_path
 FAKE_CLI = r'''#!{python}
 """A stand-in for `unimae` that leaves the files recipes/retrieval.sh reads: adapters that hold their step, one
 checkpoint, run.json of an evaluation (with the adapter's revision), the curve with the averages it is given."""
-import hashlib, json, os, shutil, sys
+import hashlib, json, os, re, shutil, sys
 from pathlib import Path
 
 args = sys.argv[1:]
@@ -128,9 +128,12 @@ if args[0] == "train":
     (run / "adapter" / "adapter_model.safetensors").write_text(f"weights of step {{steps}}")
     (run / "checkpoints" / f"step-{{steps:06d}}").mkdir(parents=True, exist_ok=True)
 elif args[:2] == ["evaluate", "embeddings"]:
+    tasks = args[args.index("--tasks") + 1 : args.index("--data-dir")]
+    if not tasks or not all(re.fullmatch(r"[A-Za-z0-9.-]+", task) for task in tasks):
+        sys.exit(f"not task names: {{tasks}}")  # as mteb would refuse them
     folder = Path(opt("--output-dir")) / opt("--label")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "run.json").write_text(json.dumps({{"tasks": ["STS17"], "revision": revision(opt("--adapter"))}}))
+    (folder / "run.json").write_text(json.dumps({{"tasks": {{"STS17": 1.0}}, "revision": revision(opt("--adapter"))}}))
 elif args[:2] == ["evaluate", "summary"] and opt("--name") == "curve":
     averages = json.loads(os.environ["FAKE_AVERAGES"])
     labels = args[args.index("--labels") + 1 :]
@@ -212,7 +215,7 @@ def _fresh_machine(tmp_path: Path, averages: dict) -> tuple[dict, Path]:
     for label in averages:
         point = tmp_path / "out" / "curve" / label
         point.mkdir(parents=True)
-        (point / "run.json").write_text(json.dumps({"tasks": ["STS17"], "revision": trained}))
+        (point / "run.json").write_text(json.dumps({"tasks": {"STS17": 1.0}, "revision": trained}))
     return _stand_ins(tmp_path, averages), release
 
 
@@ -313,7 +316,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     (release / "unimae.json").write_text(json.dumps(meta))
     for label, step in (("step-80", 80), ("step-160", 160), ("cooldown-step-120", 120)):
         (tmp_path / "out" / "curve" / label).mkdir(parents=True)
-        record = {"tasks": ["STS17"], "revision": revision(f"weights of step {step}")}
+        record = {"tasks": {"STS17": 1.0}, "revision": revision(f"weights of step {step}")}
         (tmp_path / "out" / "curve" / label / "run.json").write_text(json.dumps(record))
     averages = {"step-80": 62.0, "step-160": 61.0, "cooldown-step-120": 63.0}
     env = {**_stand_ins(tmp_path, averages), "COOLDOWN": "40"}
