@@ -354,10 +354,13 @@ previous=""
 held=$(steps_held)
 for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVERY )); do
   (( steps > SUP_STEPS )) && steps=$SUP_STEPS
-  if (( steps > held )) && [ "$STOP_EARLY" = 1 ] && [ -n "$previous" ] && [ -f "$OUT/curve/step-$steps/run.json" ] \
-    && ! rose "$previous" "step-$steps"; then  # a sitting on another machine reached this point; the average fell
-    echo "retrieval.sh: the curve holds step-$steps, below $previous: the stage stopped there in an earlier sitting"
-    restore_best "${previous#step-}" "$steps"
+  since=$previous  # the point this one is judged against: the held adapter's own, where the curve has it (a
+  # fresh machine whose release is off this CURVE_EVERY's grid), else the point before
+  [ -z "$previous" ] || [ ! -f "$OUT/curve/step-$held/run.json" ] || since=step-$held
+  if (( steps > held )) && [ "$STOP_EARLY" = 1 ] && [ -n "$since" ] && [ -f "$OUT/curve/step-$steps/run.json" ] \
+    && ! rose "$since" "step-$steps"; then  # a sitting on another machine reached this point; the average fell
+    echo "retrieval.sh: the curve holds step-$steps, below $since: the stage stopped there in an earlier sitting"
+    restore_best "${since#step-}" "$steps"
     break
   fi
   if (( steps > held )); then

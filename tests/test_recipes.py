@@ -199,18 +199,18 @@ def test_retrieval_recipe_stops_when_the_curve_falls_and_finishes_on_the_better_
     assert not any(line.startswith("train") for line in again) and again[-1].startswith("release")
 
 
-def _fresh_machine(tmp_path: Path, averages: dict) -> tuple[dict, Path]:
-    """A fresh machine after earlier sittings: no run folder; the release holds step 80's weights, whose curve point
+def _fresh_machine(tmp_path: Path, averages: dict, steps: int = 80) -> tuple[dict, Path]:
+    """A fresh machine after earlier sittings: no run folder; the release holds step STEPS's weights, whose curve point
     (scored on the trained adapter it was made from) and later ones are in the results."""
     import hashlib
     import json
 
     release = tmp_path / "releases" / "r"
     release.mkdir(parents=True)
-    (release / "adapter_model.safetensors").write_text("bf16 weights of step 80")
+    (release / "adapter_model.safetensors").write_text(f"bf16 weights of step {steps}")
     (release / "adapter_config.json").write_text("{}")
-    trained = hashlib.sha256(b"weights of step 80").hexdigest()[:12]  # the fp32 adapter it was made from
-    meta = {"trained_steps": 80, "embedding": {"rotation": "r0"}, "release": {"source_revision": trained}}
+    trained = hashlib.sha256(f"weights of step {steps}".encode()).hexdigest()[:12]  # the adapter it was made from
+    meta = {"trained_steps": steps, "embedding": {"rotation": "r0"}, "release": {"source_revision": trained}}
     (release / "unimae.json").write_text(json.dumps(meta))
     for label in averages:
         point = tmp_path / "out" / "curve" / label
@@ -231,6 +231,20 @@ def test_retrieval_recipe_on_a_fresh_machine_keeps_a_stop_the_curve_recorded(tmp
     assert (run / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 80"
     assert json.loads((run / "stopped-early.json").read_text())["best"] == 80
     assert lines[-1].startswith(f"release --adapter {run / 'adapter'}")
+
+
+def test_retrieval_recipe_on_a_fresh_machine_judges_the_next_point_against_the_release(tmp_path):
+    """A sitting with 40-step points released step 200 and stopped at 240 (below 200, above 160); a fresh machine at
+    the default 80-step points compares 240 with the release's point, not with 160: it trains no further."""
+    import json
+
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-200": 63.0, "step-240": 62.5}
+    env, release = _fresh_machine(tmp_path, averages, steps=200)
+    lines = _retrieval_calls(tmp_path, env)
+    assert not any(line.startswith("train") for line in lines)
+    run = tmp_path / "runs" / "retriever"
+    assert (run / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 200"
+    assert json.loads((run / "stopped-early.json").read_text()) == {"best": 200, "stopped_at": 240, "adapter": str(release)}
 
 
 def test_retrieval_recipe_release_only_on_a_fresh_machine_rewrites_the_card(tmp_path):
