@@ -177,6 +177,26 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
     assert "FAILED SciFact: no folder" in capsys.readouterr().err
 
 
+def test_evaluate_embeddings_refuses_unknown_task_names_before_any_work(monkeypatch, tmp_path, capsys):
+    calls = _record(monkeypatch, "unimae.evaluation.embeddings.evaluate_embeddings", None)
+    argv = [
+        "evaluate",
+        "embeddings",
+        "--model",
+        "m",
+        "--tasks",
+        "STS17",
+        "{'STS17':",
+        "1.0}",
+        "--output-dir",
+        str(tmp_path),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "unknown task names" in err and "{'STS17':" in err and "1.0}" in err and "STS17'?" in err  # mteb's hint
+    assert calls == [] and list(tmp_path.iterdir()) == []
+
+
 def test_evaluate_summary_finds_every_evaluated_label(monkeypatch, tmp_path, capsys):
     for label in ("b", "a"):
         (tmp_path / label).mkdir()

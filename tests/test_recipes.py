@@ -244,7 +244,8 @@ def test_retrieval_recipe_on_a_fresh_machine_judges_the_next_point_against_the_r
     assert not any(line.startswith("train") for line in lines)
     run = tmp_path / "runs" / "retriever"
     assert (run / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 200"
-    assert json.loads((run / "stopped-early.json").read_text()) == {"best": 200, "stopped_at": 240, "adapter": str(release)}
+    stop = json.loads((run / "stopped-early.json").read_text())
+    assert stop == {"best": 200, "stopped_at": 240, "adapter": str(release)}
 
 
 def test_retrieval_recipe_release_only_on_a_fresh_machine_rewrites_the_card(tmp_path):

@@ -166,9 +166,12 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _evaluate_embeddings(args: argparse.Namespace) -> int:
-    from unimae.evaluation.embeddings import evaluate_embeddings, evaluate_model_on_tasks, expand_tasks
+    from unimae.evaluation.embeddings import evaluate_embeddings, evaluate_model_on_tasks, expand_tasks, unknown_tasks
     from unimae.evaluation.summary import summary_markdown
 
+    unknown = unknown_tasks(args.tasks)
+    if unknown:  # before a model loads or a file is written (the library records a bad task and goes on)
+        raise ValueError("unknown task names (groups: dev, mteb15): " + "; ".join(unknown))
     out, data_dir = Path(args.output_dir), Path(args.data_dir) if args.data_dir else None
     if args.reference:
         from unimae.evaluation.reference import MINILM_LABEL, load_minilm

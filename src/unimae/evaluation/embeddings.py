@@ -66,6 +66,20 @@ def expand_tasks(names: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def unknown_tasks(names: list[str]) -> list[str]:
+    """mteb's message for each name (after :func:`expand_tasks`) its registry does not hold ([] when all are known),
+    so a command can refuse a typo before it loads a model or writes a result."""
+    import mteb
+
+    unknown = []
+    for name in expand_tasks(names):
+        try:
+            mteb.get_task(name)
+        except KeyError as err:
+            unknown.append(str(err.args[0]).removeprefix("KeyError: ") if err.args else name)
+    return unknown
+
+
 def english_task(name: str):
     """An mteb task restricted to English subsets and the MTEB English splits (test)."""
     import mteb
