@@ -235,8 +235,8 @@ class Contrastive(Method):
         return {"steps"} if decaying else set()  # a decay under way ends at --steps: another would bend it
 
     def lr_lambda(self, step: int) -> float:
-        """Multiplier of ``--lr`` at 0-based step ``step``: 1 before ``--lr-decay-from`` (s0), then with progress
-        p = (step - s0) / (steps - s0), linear 1 - p or cosine (1 + cos(pi p)) / 2 (0 at ``--steps``)."""
+        """Multiplier of ``--lr`` at 0-based step ``step``: ``decayed_lr`` of ``--lr-schedule`` from
+        ``--lr-decay-from`` to ``--steps``."""
         return decayed_lr(self.options.lr_schedule, step, self.options.lr_decay_from, self.config.steps)
 
     def build_objective(self, llm):
