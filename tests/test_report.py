@@ -205,6 +205,24 @@ def test_index_kinds_source_lists_a_files_entries_and_needs_the_file(root):
     assert run(root, doc) == 2
 
 
+def test_an_inline_code_span_over_two_lines_hides_only_the_values_inside_it(root, capsys):
+    """A code span may run over the lines of its paragraph or list item: a value after it is checked, one inside it
+    is left alone, and a new list item or paragraph starts with no span open."""
+    after = "<!-- value: results/dev/summary.json base tasks STSBenchmark :.1f -->0<!-- /value -->"
+    inside = "<!-- value: results/dev/summary.json base tasks STSBenchmark :.1f -->in code<!-- /value -->"
+    doc = root / "doc.md"
+    doc.write_text(
+        f"- (`unimae evaluate\n  --label x`; {after} min)\n- `a span {inside}\n  closed` here\n"
+        f"- an item with an odd tick ` {inside}\n\nA paragraph: {after}\n"
+    )
+    assert run(root, doc, "--check") == 1
+    assert "doc.md:2: value" in capsys.readouterr().out  # the first item's value, after the span closed
+    assert run(root, doc) == 0
+    text = doc.read_text()
+    assert text.count("-->40.0<!-- /value -->") == 2
+    assert text.count("-->in code<!-- /value -->") == 2
+
+
 def test_values_in_prose_quote_a_json_path_or_a_named_tables_cell(root, capsys):
     """Inline values: a JSON path, a cell of a named table (before or after it), arithmetic with a format."""
     (root / "results" / "speed.json").write_text(json.dumps({"engine": {"tok_s": [39.06144, 63.7787]}, "cpu": "EPYC"}))

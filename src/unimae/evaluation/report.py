@@ -147,6 +147,8 @@ FUNCTIONS = {"sum": sum, "mean": statistics.fmean, "median": statistics.median, 
 # A number shown in a table cell ("59.2 / 54.3", "75.00*", "51.51 ± 0.45"), not one inside a word ("k=1").
 CELL_NUMBER = re.compile(r"(?<![\w.=])-?\d+(?:\.\d+)?(?![\w.])")
 FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+# A line that starts a Markdown block of its own: a list item, a heading, a table row or a quote.
+BLOCK_LINE = re.compile(r"[ \t]*(?:[-*+][ \t]|\d+[.)][ \t]|#|\||>)")
 
 
 class ReportError(ValueError):
@@ -431,13 +433,24 @@ def parse_table(markdown: str) -> Table:
     return Table(header, {row[0]: row for row in rows})
 
 
+def block_start(text: str, position: int) -> int:
+    """Where the Markdown block holding ``position`` starts: its paragraph's or list item's first line (an inline
+    code span may run over the lines of its block, never past it)."""
+    start = text.rfind("\n", 0, position) + 1
+    while start > 0 and not BLOCK_LINE.match(text, start):
+        previous = text.rfind("\n", 0, start - 1) + 1
+        if not text[previous : start - 1].strip():  # a blank line ends the block above
+            break
+        start = previous
+    return start
+
+
 def find_values(path: Path, text: str, skip: list[tuple[int, int]]) -> list[Value]:
     """Every inline value pair of ``text`` outside the ``skip`` ranges, fenced code and inline code."""
     skip = skip + [match.span() for match in FENCE.finditer(text)]
     values = []
     for match in VALUE.finditer(text):
-        line_start = text.rfind("\n", 0, match.start()) + 1
-        in_code = text.count("`", line_start, match.start()) % 2 == 1
+        in_code = text.count("`", block_start(text, match.start()), match.start()) % 2 == 1
         if in_code or any(start <= match.start() < end for start, end in skip):
             continue
         line = text.count("\n", 0, match.start()) + 1
