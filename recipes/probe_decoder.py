@@ -10,10 +10,10 @@ import json
 import torch
 
 from unimae.data.corpus import load_texts
-from unimae.losses.unimae import UniMAEObjective
 from unimae.data.masking import UniMAECollator
-from unimae.models import load_model
 from unimae.embedding.tokenization import choose_mask_token, encode_with_eos, last_token_index
+from unimae.losses.unimae import UniMAEObjective
+from unimae.models import load_model
 
 torch.manual_seed(0)
 model, tok, _ = load_model("smollm2-135m", dtype=torch.float32)
