@@ -14,8 +14,12 @@
 #   base-start  prompts-mrl without the UniMAE stage (the supervised LoRA on the base model)
 #   t0.02       prompts-mrl at temperature 0.02
 #   prompts-drop  prompts with --query-prompt-dropout 0.5 (half the asymmetric queries trained unprompted)
+#   gem-start   prompts-mrl from a GEM stage instead of UniMAE's (trained into RUNS/GEM_RUN: k = 1 summary token,
+#               GEM_STEPS steps of 32 Wikipedia paragraphs cut to 64 tokens, GEM_SWITCH of them NTP; the
+#               `k=1` row of recipes/gem_ablation.sh at STEPS=300 SWITCH=100), merged into the base like the others
 # Environment: MODEL, RUNS, OUT, PAIRS (the wiki inverse-cloze pairs; built if absent), STEPS, BATCH, CHUNK,
-# EVAL_MAX_LENGTH, VARIANTS (the summary keeps every variant scored so far), UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh).
+# EVAL_MAX_LENGTH, VARIANTS (the summary keeps every variant scored so far), UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh),
+# GEM_RUN / GEM_STEPS / GEM_SWITCH (gem-start's GEM stage).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -32,6 +36,9 @@ EVAL_MAX_LENGTH=${EVAL_MAX_LENGTH:-256}
 VARIANTS=${VARIANTS:-plain prompts prompts-mrl base-start t0.02}
 UNIMAE_RUN=${UNIMAE_RUN:-unimae}
 UNIMAE_FLAGS=${UNIMAE_FLAGS:-}
+GEM_RUN=${GEM_RUN:-gem-start}
+GEM_STEPS=${GEM_STEPS:-300}
+GEM_SWITCH=${GEM_SWITCH:-100}
 # shellcheck source=recipes/retrieval_data.sh
 source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
 # shellcheck source=recipes/train_run.sh
@@ -49,9 +56,14 @@ for variant in $VARIANTS; do
     base-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=() ;;
     t0.02) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --temperature 0.02) ;;
     prompts-drop) flags=("${prompt_flags[@]}" --query-prompt-dropout 0.5) ;;
+    gem-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=(--init-adapter "$RUNS/$GEM_RUN/adapter") ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
   esac
-  if [ ${#init[@]} -gt 0 ]; then
+  if [ "$variant" = gem-start ]; then
+    train_run "$RUNS/$GEM_RUN" --model "$MODEL" --method gem --data "$DATA/pretrain/wikipedia_paragraphs.jsonl" \
+      --num-summary-tokens 1 --steps "$GEM_STEPS" --gem-switch-step "$GEM_SWITCH" --batch-size 32 \
+      --micro-batch-size 32 --max-length 64
+  elif [ ${#init[@]} -gt 0 ]; then
     # shellcheck disable=SC2086  # UNIMAE_FLAGS is a word list on purpose
     train_run "$RUNS/$UNIMAE_RUN" --model "$MODEL" --method unimae $UNIMAE_FLAGS
   fi
@@ -62,7 +74,7 @@ for variant in $VARIANTS; do
     --data-dir "$DATA" --output-dir "$OUT" --label "$variant" --max-length "$EVAL_MAX_LENGTH"
 done
 done_labels=()  # every variant scored so far, in this order (a later sitting's VARIANTS adds rows, drops none)
-for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop; do
+for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start; do
   [ -f "$OUT/$variant/run.json" ] && done_labels+=("$variant")
 done
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks dev --name summary --labels "${done_labels[@]}"
