@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine (see README):
 #   make demo   - install, index a small corpus with the released retriever and answer a question with it
-#   make test   - install, run the whole test suite (unit tests on tiny models + integration on SmolLM2)
+#   make test   - install, run the whole test suite (unit tests on tiny models + integration on SmolLM2 and the releases)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unimae-installed

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from test_contrastive import _config, _records, _write
 
@@ -142,6 +143,35 @@ def test_a_card_table_shows_no_average_for_a_row_with_missing_tasks(tmp_path):
     path.write_text(json.dumps(rows))
     table = _summary_json_table(path)
     assert "| step-43 |  | 87.00 |  |" in table and "| step-80 | 72.90 |" in table
+
+
+def test_a_cards_extra_table_names_the_text_length_its_rows_were_scored_at(tmp_path):
+    from unimae.release_card import _summary_json_table
+
+    rows = {"step-43": {"tasks": {"STS17": 87.0}, "missing": ["SciFact"]}, "step-80": {"tasks": {"STS17": 87.3}}}
+    for label in rows:
+        (tmp_path / label).mkdir()
+        (tmp_path / label / "run.json").write_text(json.dumps({"max_length": 256}))
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(rows))
+    caption = _summary_json_table(path, caption=True).splitlines()[0]
+    assert caption == "curve (texts up to 256 tokens; a blank cell: the task was not scored for that row):"
+    (tmp_path / "step-80" / "run.json").write_text(json.dumps({"max_length": 512}))  # mixed lengths: none named
+    assert "tokens" not in _summary_json_table(path, caption=True).splitlines()[0]
+
+
+def test_a_card_names_its_quantized_base_the_scored_split_and_subset_and_its_first_stage(adapter, tmp_path):
+    dev = tmp_path / "dev"
+    _task_result(dev, "STS17")
+    shutil.copy(SCORED / "run.json", dev / "run.json")
+    meta = dataclasses.replace(adapter_meta(adapter), base_model="gemma3-270m", init_lora_revision="c17ce696a9ea")
+    card = build_card(CardInputs("r", tmp_path, dev, command="MODEL=gemma3-270m bash recipes/retrieval.sh"), meta)
+    front = yaml.safe_load(card.split("---\n")[1])
+    dataset = front["model-index"][0]["results"][0]["dataset"]
+    assert (dataset["split"], dataset["config"]) == ("test", "en-en")
+    assert "GGUF Q4_K_M" in card and "not onto\n  the full-precision Hub weights of `google/gemma-3-270m`" in card
+    assert "640 dimensions at full size" in card and "Prohibited Use Policy" in card
+    assert "revision c17ce696a9ea" in card and "`enwiki-gensim`" in card
 
 
 def test_the_cards_wall_time_counts_each_step_of_the_released_adapter_once(tmp_path):

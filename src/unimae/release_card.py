@@ -19,12 +19,30 @@ from unimae.adapter import AdapterMeta, TrainingTime
 from unimae.evaluation.generation import average_accuracy
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
 from unimae.files import read_json
+from unimae.models import OFFLINE_MODELS
 from unimae.training.config import TrainConfig, flag_defaults, flat_values
 
-# The base models of the offline short names: the Hugging Face ids and licences a card names.
+
+@dataclass(frozen=True)
+class CardBase:
+    """What a card says of a base model: its Hub id and licence (metadata id, words) and its hidden size."""
+
+    hub_id: str
+    licence_id: str = "other"
+    licence: str = "the base model's"
+    hidden_size: int | None = None
+
+
+# The base models of the offline short names.
 BASE_MODELS = {
-    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "Apache-2.0"),
-    "gemma3-270m": ("google/gemma-3-270m", "gemma", "the Gemma Terms of Use (ai.google.dev/gemma/terms)"),
+    "smollm2-135m": CardBase("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "Apache-2.0", 576),
+    "gemma3-270m": CardBase(
+        "google/gemma-3-270m",
+        "gemma",
+        "the Gemma Terms of Use (https://ai.google.dev/gemma/terms), including the Gemma Prohibited Use Policy "
+        "(https://ai.google.dev/gemma/prohibited_use_policy)",
+        640,
+    ),
 }
 # The licences of the supervised pairs (the data folder's README), by source file name.
 DATA_LICENCES = {
@@ -38,6 +56,8 @@ DATA_LICENCES = {
     "debian_package_descriptions": "each package's own (Debian main: DFSG-free)",
     "wiki_ict": "Wikipedia text: CC BY-SA 4.0 (inverse-cloze pairs built by recipes/make_pairs_wiki.py)",
 }
+# The training text of the first stage recipes/retrieval.sh trains (`unimae train --method unimae`, its default).
+FIRST_STAGE_TEXT = "`enwiki-gensim` (paragraphs of 206 Wikipedia articles shipped in the gensim wheel; CC BY-SA 4.0)"
 
 
 @dataclass
@@ -120,21 +140,19 @@ def _main_score(result: dict) -> float:
 def _front_matter(name: str, meta: AdapterMeta, tasks: dict[str, dict], folder: Path) -> str:
     import yaml
 
-    model = meta.base_model
-    hub_id, licence, _ = BASE_MODELS.get(model, (model, "other", "the base model's"))
-    results = []
-    for task, data in tasks.items():
-        results.append(
-            {
-                "task": {"type": task_type(task)},
-                "dataset": {"type": f"mteb/{task}", "name": f"MTEB {task}", "revision": data.get("dataset_revision")},
-                "metrics": [{"type": "main_score", "value": round(_main_score(data), 2)}],
-            }
-        )
+    base = _base(meta.base_model)
+    results = [
+        {
+            "task": {"type": task_type(task)},
+            "dataset": {"type": f"mteb/{task}", "name": f"MTEB {task}", **_dataset_fields(data)},
+            "metrics": [{"type": "main_score", "value": round(_main_score(data), 2)}],
+        }
+        for task, data in tasks.items()
+    ]
     front = {
-        "base_model": hub_id,
+        "base_model": base.hub_id,
         "library_name": "peft",
-        "license": licence,
+        "license": base.licence_id,
         "pipeline_tag": "feature-extraction",
         "tags": ["unimae", "sentence-embeddings", "text-generation", "lora", "mteb", "rag"],
         "model-index": [{"name": name, "results": results}],
@@ -142,21 +160,47 @@ def _front_matter(name: str, meta: AdapterMeta, tasks: dict[str, dict], folder: 
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
 
 
+def _base(model: str) -> CardBase:
+    return BASE_MODELS.get(model, CardBase(model))
+
+
+def _dataset_fields(result: dict) -> dict:
+    """The model-index ``dataset`` fields of an mteb result: its revision, and the split and subset scored."""
+    fields = {"revision": result.get("dataset_revision")}
+    split = "test" if "test" in result.get("scores", {}) else next(iter(result.get("scores", {})), None)
+    subsets = {s.get("hf_subset") for s in result.get("scores", {}).get(split, []) if isinstance(s, dict)}
+    if split:
+        fields["split"] = split
+    if len(subsets) == 1 and None not in subsets:
+        fields["config"] = subsets.pop()
+    return fields
+
+
+def _base_line(model: str) -> str:
+    """Which weights the adapter belongs to: an offline model is a dequantized GGUF, not the Hub's weights."""
+    if model not in OFFLINE_MODELS:
+        return f"- Base: `{model}`; the adapter loads only onto it (its fingerprint is in `unimae.json`)."
+    return (
+        f"- Base: the offline `{model}`, {OFFLINE_MODELS[model].description}, dequantized to float: the adapter\n"
+        f"  was trained and scored on it and loads only onto it (its fingerprint is in `unimae.json`), not onto\n"
+        f"  the full-precision Hub weights of `{_base(model).hub_id}`, on which it was not measured."
+    )
+
+
 def _intro(name: str, meta: AdapterMeta) -> str:
-    spec, model = meta.embedding, meta.base_model
-    _, _, licence = BASE_MODELS.get(model, (model, "", "the base model's"))
+    spec, base = meta.embedding, _base(meta.base_model)
     prompts = "".join(f"- prompt `{k}`: `{v!r}`\n" for k, v in spec.prompts) or "- no prompts\n"
-    dims = ", ".join(map(str, spec.matryoshka_dims)) or "none (full size only)"
+    size = f"{base.hidden_size} dimensions" if base.hidden_size else "the base model's hidden size"
     return f"""# {name}
 
-A LoRA adapter for `{model}` that makes the one model a retriever and keeps it a generator: the same weights
+A LoRA adapter for `{meta.base_model}` that makes the one model a retriever and keeps it a generator: the same weights
 embed queries and passages (the last-layer state at an appended EOS token) and generate the answer, so a RAG
 system needs one model instead of an encoder and an LLM. Trained with unimae (UniMAE, ACL 2025, and a supervised
 contrastive stage with a next-token term); weights stored in bf16.
 
-- Embedding: {spec.describe()}; cosine similarity; the base model's hidden size in dimensions.
-{prompts}- Matryoshka dimensions: {dims}.
-- Licence: the adapter follows its base model, {licence}; see the training data's licences below.
+- Embedding: {spec.describe()}; cosine similarity; {size} at full size.
+{prompts}{_base_line(meta.base_model)}
+- Licence: the adapter follows its base model, {base.licence}; see the training data's licences below.
 """
 
 
@@ -188,7 +232,7 @@ def _results(inputs: CardInputs, tasks: dict[str, dict], revision: Revision) -> 
     parts.append(_dev_table(inputs, list(tasks)))
     for path in inputs.extra_tables:
         if Path(path).is_file():
-            parts.append(_summary_json_table(Path(path)))
+            parts.append(_summary_json_table(Path(path), caption=True))
     parts.append(_generation_lines(inputs, revision))
     parts.append(_rag_lines(inputs, revision))
     return "\n".join(p for p in parts if p)
@@ -207,10 +251,11 @@ def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
     return text + markdown_table(header, cells) + "\n"
 
 
-def _summary_json_table(path: Path, first=None, drop: str | None = None) -> str:
+def _summary_json_table(path: Path, first=None, drop: str | None = None, caption: bool = False) -> str:
     """A table of averages (and tasks) from an `unimae evaluate summary` JSON; ``first`` (label, row) leads, in
     place of the row ``drop`` (the same results under the summary's label). A row with missing tasks shows its
-    scores but no average (it would not be the suite's)."""
+    scores but no average (it would not be the suite's). ``caption``: name the text length the rows were scored
+    at (their folders' ``run.json`` beside the JSON) and what a blank cell means."""
     data = read_json(path, "result file")
     tasks = sorted({t for entry in data.values() for t in entry.get("tasks", {})})
     lines = ["| model | average | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 2) + "|"]
@@ -224,7 +269,23 @@ def _summary_json_table(path: Path, first=None, drop: str | None = None) -> str:
         cells = [_fmt(scores.get(t)) for t in tasks]
         average = None if entry.get("missing") else entry.get("average")
         lines.append(f"| {label} | {_fmt(average)} | " + " | ".join(cells) + " |")
-    return f"{path.stem}:\n\n" + "\n".join(lines) + "\n"
+    note = _table_caption(path, [label for label, _ in entries], data) if caption else ""
+    return f"{path.stem}{note}:\n\n" + "\n".join(lines) + "\n"
+
+
+def _table_caption(path: Path, labels: list[str], data: dict) -> str:
+    """`` (texts up to N tokens; ...)`` for the rows of a summary JSON whose folders sit beside it."""
+    lengths = set()
+    for label in labels:
+        run = path.parent / label / "run.json"
+        if run.is_file():
+            lengths.add(read_json(run, "run record").get("max_length"))
+    words = []
+    if len(lengths) == 1 and None not in lengths:
+        words.append(f"texts up to {lengths.pop()} tokens")
+    if any(entry.get("missing") for entry in data.values()):
+        words.append("a blank cell: the task was not scored for that row")
+    return f" ({'; '.join(words)})" if words else ""
 
 
 def _fmt(value) -> str:
@@ -293,10 +354,14 @@ def _rag_lines(inputs: CardInputs, revision: Revision) -> str:
     for entry in data.get("rag", []):
         if isinstance(entry, dict) and "retrieval_acc_at_1" in entry:
             lines.append(
-                f"- RAG benchmark, {entry.get('mode')} model(s) ({entry.get('models')}): retrieval acc@1 "
+                f"- RAG benchmark, {_setup(entry.get('mode'))} ({entry.get('models')}): retrieval acc@1 "
                 f"{entry['retrieval_acc_at_1']:.2f} over {entry.get('questions')} questions" + _every_paragraph(entry)
             )
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _setup(mode) -> str:
+    return {"one": "one model", "two": "two models"}.get(mode, f"{mode} model(s)")
 
 
 def _every_paragraph(entry: dict) -> str:
@@ -361,7 +426,20 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
 
 | source | licence |
 |---|---|
-{data_rows}"""
+{data_rows}{_first_stage(inputs, meta)}"""
+
+
+def _first_stage(inputs: CardInputs, meta: AdapterMeta) -> str:
+    """The stage this LoRA continued (``--init-lora``), which the release holds too, and its training text."""
+    if meta.init_lora_revision is None:
+        return ""
+    text = (
+        f"\nThe LoRA also holds the first stage it continued (`--init-lora`, revision {meta.init_lora_revision}), "
+        "whose training text the release does not record"
+    )
+    if "recipes/retrieval.sh" in inputs.command:
+        text += f": the recipe trains it with `unimae train --method unimae` on its default corpus, {FIRST_STAGE_TEXT}"
+    return text + ".\n"
 
 
 def train_command(config: dict) -> str:
