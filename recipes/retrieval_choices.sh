@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Small experiments that choose the supervised stage's recipe before its long run (recipes/retrieval.sh):
-# the unsupervised start (UniMAE or none), query/document prompts, Matryoshka training and the temperature.
+# the unsupervised start (UniMAE, GEM or none), query/document prompts, Matryoshka training and the temperature.
 # Each variant is the supervised stage on a small budget, STEPS steps of BATCH pairs (default 24 x 64: 1,536
 # pairs, about 1% of the pairs; the same batches for every variant, same seed), then the 9-task dev suite with
 # texts cut to EVAL_MAX_LENGTH tokens (default 256, which only shortens SciFact's abstracts: the official
