@@ -14,6 +14,7 @@
 #   base-start  prompts-mrl without the UniMAE stage (the supervised LoRA on the base model)
 #   t0.02       prompts-mrl at temperature 0.02
 #   prompts-drop  prompts with --query-prompt-dropout 0.5 (half the asymmetric queries trained unprompted)
+#   seed1       prompts-mrl with --seed 1 (other batches, another LoRA init: how far a reseed moves a row)
 #   gem-start   prompts-mrl from a GEM stage instead of UniMAE's (trained into RUNS/GEM_RUN: k = 1 summary token,
 #               GEM_STEPS steps of 32 Wikipedia paragraphs cut to 64 tokens, GEM_SWITCH of them NTP; the
 #               `k=1` row of recipes/gem_ablation.sh at STEPS=300 SWITCH=100), merged into the base like the others
@@ -56,6 +57,7 @@ for variant in $VARIANTS; do
     base-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=() ;;
     t0.02) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --temperature 0.02) ;;
     prompts-drop) flags=("${prompt_flags[@]}" --query-prompt-dropout 0.5) ;;
+    seed1) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --seed 1) ;;
     gem-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=(--init-adapter "$RUNS/$GEM_RUN/adapter") ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
   esac
@@ -74,7 +76,7 @@ for variant in $VARIANTS; do
     --data-dir "$DATA" --output-dir "$OUT" --label "$variant" --max-length "$EVAL_MAX_LENGTH"
 done
 done_labels=()  # every variant scored so far, in this order (a later sitting's VARIANTS adds rows, drops none)
-for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start; do
+for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1; do
   [ -f "$OUT/$variant/run.json" ] && done_labels+=("$variant")
 done
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks dev --name summary --labels "${done_labels[@]}"
