@@ -105,10 +105,15 @@ def accepts(revision: Revision, scored: str | None) -> bool:
     return revision is None or scored in ((revision,) if isinstance(revision, str) else revision)
 
 
+def _run_record(folder: Path) -> dict:
+    """The ``run.json`` an evaluation wrote into ``folder`` ({} if there is none)."""
+    run = Path(folder) / "run.json"
+    return read_json(run, "run record") if run.is_file() else {}
+
+
 def check_results_belong(folder: Path, revision: Revision) -> None:
     """ValueError unless the dev-suite folder was evaluated for the adapter of ``revision`` (its run.json)."""
-    run = Path(folder) / "run.json"
-    scored = read_json(run, "run record").get("revision") if run.is_file() else None
+    scored = _run_record(folder).get("revision")
     if not accepts(revision, scored):
         raise ValueError(
             f"{folder} holds the results of adapter revision {scored}, not of the adapter released ({revision}); "
@@ -128,11 +133,15 @@ def _dev_scores(folder: Path) -> dict[str, dict]:
     return out
 
 
+def _scored_split(scores: dict) -> str:
+    """The split an mteb result is quoted on: ``test`` where it has one, else its first."""
+    return "test" if "test" in scores else next(iter(scores))
+
+
 def _main_score(result: dict) -> float:
     try:
         scores = result["scores"]
-        split = "test" if "test" in scores else next(iter(scores))
-        return float(scores[split][0]["main_score"]) * 100
+        return float(scores[_scored_split(scores)][0]["main_score"]) * 100
     except (KeyError, IndexError, StopIteration, TypeError, ValueError) as err:
         raise ValueError(f"the mteb result of {result.get('task_name')!r} holds no main score ({err!r})") from err
 
@@ -167,10 +176,11 @@ def _base(model: str) -> CardBase:
 def _dataset_fields(result: dict) -> dict:
     """The model-index ``dataset`` fields of an mteb result: its revision, and the split and subset scored."""
     fields = {"revision": result.get("dataset_revision")}
-    split = "test" if "test" in result.get("scores", {}) else next(iter(result.get("scores", {})), None)
-    subsets = {s.get("hf_subset") for s in result.get("scores", {}).get(split, []) if isinstance(s, dict)}
-    if split:
-        fields["split"] = split
+    scores = result.get("scores") or {}
+    if not scores:
+        return fields
+    fields["split"] = split = _scored_split(scores)
+    subsets = {s.get("hf_subset") for s in scores[split] if isinstance(s, dict)}
     if len(subsets) == 1 and None not in subsets:
         fields["config"] = subsets.pop()
     return fields
@@ -240,8 +250,7 @@ def _results(inputs: CardInputs, tasks: dict[str, dict], revision: Revision) -> 
 
 def _dev_table(inputs: CardInputs, tasks: list[str]) -> str:
     rows = [read_row(Path(inputs.dev_results), tasks, label=inputs.name)]
-    run = Path(inputs.dev_results) / "run.json"
-    length = read_json(run, "run record").get("max_length") if run.is_file() else None
+    length = _run_record(inputs.dev_results).get("max_length")
     text = f"Dev suite ({len(tasks)} MTEB tasks, official mteb evaluators, main score x 100, "
     text += f"texts up to {length} tokens):\n\n"
     if inputs.summary is not None and Path(inputs.summary).is_file():
@@ -275,11 +284,8 @@ def _summary_json_table(path: Path, first=None, drop: str | None = None, caption
 
 def _table_caption(path: Path, labels: list[str], data: dict) -> str:
     """`` (texts up to N tokens; ...)`` for the rows of a summary JSON whose folders sit beside it."""
-    lengths = set()
-    for label in labels:
-        run = path.parent / label / "run.json"
-        if run.is_file():
-            lengths.add(read_json(run, "run record").get("max_length"))
+    records = [_run_record(path.parent / label) for label in labels]
+    lengths = {record.get("max_length") for record in records if record}  # rows without a run.json: not counted
     words = []
     if len(lengths) == 1 and None not in lengths:
         words.append(f"texts up to {lengths.pop()} tokens")
