@@ -18,9 +18,13 @@
 #   gem-start   prompts-mrl from a GEM stage instead of UniMAE's (trained into RUNS/GEM_RUN: k = 1 summary token,
 #               GEM_STEPS steps of 32 Wikipedia paragraphs cut to 64 tokens, GEM_SWITCH of them NTP; the
 #               `k=1` row of recipes/gem_ablation.sh at STEPS=300 SWITCH=100), merged into the base like the others
+#   hn          prompts-mrl on the same batches, each pair with a hard negative mined by the model's released
+#               retriever (MINER, `unimae mine`: the source's positives as candidates, a seeded pool of MINE_POOL
+#               of them plus the run's own, eq. (1)'s 5% margin, the hardest survivor; only the pairs the STEPS
+#               batches draw) unless its source gave one
 # Environment: MODEL, RUNS, OUT, PAIRS (the wiki inverse-cloze pairs; built if absent), STEPS, BATCH, CHUNK,
 # EVAL_MAX_LENGTH, VARIANTS (the summary keeps every variant scored so far), UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh),
-# GEM_RUN / GEM_STEPS / GEM_SWITCH (gem-start's GEM stage).
+# GEM_RUN / GEM_STEPS / GEM_SWITCH (gem-start's GEM stage), MINER / MINE_POOL (hn's miner and candidate pool).
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
@@ -40,6 +44,8 @@ UNIMAE_FLAGS=${UNIMAE_FLAGS:-}
 GEM_RUN=${GEM_RUN:-gem-start}
 GEM_STEPS=${GEM_STEPS:-300}
 GEM_SWITCH=${GEM_SWITCH:-100}
+MINER=${MINER:-unimae-$MODEL-retriever}
+MINE_POOL=${MINE_POOL:-2048}
 # shellcheck source=recipes/retrieval_data.sh
 source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
 # shellcheck source=recipes/train_run.sh
@@ -49,6 +55,7 @@ prompt_flags=(--query-prompt "$QUERY_PROMPT" --symmetric-sources "$SYMMETRIC")
 mrl_flags=(--matryoshka-dims "$MRL_DIMS")
 for variant in $VARIANTS; do
   init=(--init-adapter "$RUNS/$UNIMAE_RUN/adapter")
+  data=$files
   case $variant in
     plain) flags=() ;;
     prompts) flags=("${prompt_flags[@]}") ;;
@@ -59,6 +66,12 @@ for variant in $VARIANTS; do
     prompts-drop) flags=("${prompt_flags[@]}" --query-prompt-dropout 0.5) ;;
     seed1) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --seed 1) ;;
     gem-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=(--init-adapter "$RUNS/$GEM_RUN/adapter") ;;
+    hn) flags=("${prompt_flags[@]}" "${mrl_flags[@]}")
+      mined=$PAIRS/mined-$SHORT-choices
+      $UNIMAE mine --model "$MODEL" --adapter "$MINER" --data "$files" --symmetric-sources "$SYMMETRIC" \
+        --steps "$STEPS" --train-batch-size "$BATCH" --pool-size "$MINE_POOL" --output-dir "$mined"
+      data=$(for f in ${files//,/ }; do printf '%s,' "$mined/$(basename "$f")"; done)
+      data=${data%,} ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
   esac
   if [ "$variant" = gem-start ]; then
@@ -69,14 +82,14 @@ for variant in $VARIANTS; do
     # shellcheck disable=SC2086  # UNIMAE_FLAGS is a word list on purpose
     train_run "$RUNS/$UNIMAE_RUN" --model "$MODEL" --method unimae $UNIMAE_FLAGS
   fi
-  train_run "$RUNS/choices/$variant" --model "$MODEL" --method contrastive "${init[@]}" --data "$files" \
+  train_run "$RUNS/choices/$variant" --model "$MODEL" --method contrastive "${init[@]}" --data "$data" \
     --data-weights sqrt --steps "$STEPS" --batch-size "$BATCH" --micro-batch-size "$BATCH" \
     --grad-cache-chunk "$CHUNK" --max-length 128 --save-every 5 "${flags[@]}"
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$RUNS/choices/$variant/adapter" --tasks dev \
     --data-dir "$DATA" --output-dir "$OUT" --label "$variant" --max-length "$EVAL_MAX_LENGTH"
 done
 done_labels=()  # every variant scored so far, in this order (a later sitting's VARIANTS adds rows, drops none)
-for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1; do
+for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1 hn; do
   [ -f "$OUT/$variant/run.json" ] && done_labels+=("$variant")
 done
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks dev --name summary --labels "${done_labels[@]}"

@@ -40,7 +40,7 @@ def _choices(argv: tuple[str, ...], option: str) -> list:
 def test_every_subcommand_is_listed():
     names = {argv[0] for argv in _pages()}
     expected = {"train", "embed", "generate", "check", "evaluate", "compare", "export", "index", "ask", "serve"}
-    assert names == expected | {"models", "release", "rotation"}
+    assert names == expected | {"models", "release", "rotation", "mine"}
     assert {argv[1] for argv in _pages() if len(argv) == 2} == {"embeddings", "summary", "figures", "generation"}
 
 

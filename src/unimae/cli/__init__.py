@@ -1,4 +1,4 @@
-"""``unimae`` command line: train, embed, generate, check, evaluate, compare, export, index, ask, serve, release,
+"""``unimae`` command line: train, mine, embed, generate, check, evaluate, compare, export, index, ask, serve, release,
 rotation.
 
 ``unimae models`` lists the offline models and the releases.
@@ -17,6 +17,7 @@ from unimae.cli.embed import add_embed_parser, add_generate_parser
 from unimae.cli.evaluate import add_check_parser, add_compare_parser, add_evaluate_parser
 from unimae.cli.export import add_export_parser
 from unimae.cli.index import add_ask_parser, add_index_parser
+from unimae.cli.mine import add_mine_parser
 from unimae.cli.models import add_models_parser
 from unimae.cli.release import add_release_parser
 from unimae.cli.rotation import add_rotation_parser
@@ -26,6 +27,7 @@ from unimae.generation.sampling import NonFiniteLogitsError
 
 SUBCOMMANDS = (
     add_train_parser,
+    add_mine_parser,
     add_embed_parser,
     add_generate_parser,
     add_check_parser,
