@@ -70,6 +70,7 @@ for variant in $VARIANTS; do
       mined=$PAIRS/mined-$SHORT-choices
       $UNIMAE mine --model "$MODEL" --adapter "$MINER" --data "$files" --symmetric-sources "$SYMMETRIC" \
         --steps "$STEPS" --train-batch-size "$BATCH" --pool-size "$MINE_POOL" --output-dir "$mined"
+      mkdir -p "$OUT" && cp "$mined/mining.json" "$OUT/hn-mining.json"  # its counts and times, beside the rows
       data=$(for f in ${files//,/ }; do printf '%s,' "$mined/$(basename "$f")"; done)
       data=${data%,} ;;
     *) echo "unknown variant $variant" >&2; exit 2 ;;
