@@ -49,6 +49,21 @@ def test_eos_is_appended_after_truncation(tiny_dir):
     assert encode_with_eos(tokenizer, [""], 8)[0][-1] == tokenizer.eos_token_id
 
 
+def test_outer_whitespace_does_not_change_an_embedding(tiny_dir):
+    """A text embeds as training saw it, without outer whitespace (the pair files have none): a trailing space
+    or newline is not a token before [EOS]; the prompt still comes first and keeps its own spacing."""
+    from unimae.embedding.spec import with_prompt
+
+    model, tokenizer, _ = load_model(str(tiny_dir))
+    enc = Encoder(model, tokenizer, precision="fp32", device="cpu")
+    plain = enc.encode(["the cat sat", "a dog"])
+    padded = enc.encode(["the cat sat ", "\n a dog\t"])
+    np.testing.assert_array_equal(padded, plain)
+    assert not np.array_equal(enc.encode("the cat sat."), plain[0])  # inner text still counts
+    assert with_prompt([" the cat ", "x"], "query: ") == ["query: the cat", "query: x"]
+    np.testing.assert_array_equal(enc.encode(" a dog ", prompt="q: "), enc.encode("a dog", prompt="q: "))
+
+
 def test_normalize_and_single_string(tiny_dir):
     model, tokenizer, _ = load_model(str(tiny_dir))
     enc = Encoder(model, tokenizer, precision="fp32", device="cpu")

@@ -105,13 +105,15 @@ def _adapter(base: str, directory: Path, scale: float = 1.0, spec=None, meta=Non
 
 
 def _assert_agrees(server, encoder, texts, min_cosine: float) -> None:
-    """llama.cpp tokenizes like unimae, and embeds (text + EOS text, and unimae's ids) like Encoder.encode."""
+    """llama.cpp tokenizes like unimae, and embeds (text.strip() + EOS text, and unimae's ids) like Encoder.encode,
+    the client's protocol (docs/deploy.md: unimae embeds a text without its outer whitespace)."""
     from unimae.embedding.tokenization import encode_with_eos
 
     ours = encoder.encode(texts, normalize=True)
-    ids = encode_with_eos(encoder.tokenizer, texts, encoder.max_length)
+    stripped = [text.strip() for text in texts]
+    ids = encode_with_eos(encoder.tokenizer, stripped, encoder.max_length)
     eos = encoder.tokenizer.eos_token
-    with_eos_text = _embed(server, [text + eos for text in texts])
+    with_eos_text = _embed(server, [text + eos for text in stripped])
     from_ids = _embed(server, ids)
     assert np.abs(with_eos_text - from_ids).max() < 1e-5, "llama.cpp tokenizes some text unlike unimae"
     cosines = (ours * from_ids).sum(1)

@@ -165,7 +165,11 @@ class EmbeddingSpec:
 
 
 def with_prompt(texts: Sequence[str], prompt: str) -> list[str]:
-    """``prompt + text`` for every text (the texts unchanged when the prompt is empty)."""
-    if not prompt:
-        return list(texts)
-    return [prompt + text if isinstance(text, str) else text for text in texts]  # non-str: the tokenizer's error
+    """``prompt + text`` for every text, the text without its outer whitespace.
+
+    Decision (ours): the [EOS] embedding reads the last text token, and a trailing space is a token of its own
+    to these tokenizers; the training texts have no outer whitespace (the pair files are whitespace-collapsed),
+    so stripping it embeds a text as training did (TwitterURLCorpus' test texts all end in a space). Every path
+    that embeds goes through here: the encoder, the mteb wrapper (and its cache keys), the llama.cpp engine.
+    """
+    return [prompt + text.strip() if isinstance(text, str) else text for text in texts]  # non-str: tokenizer's error
