@@ -1,5 +1,6 @@
 """The recipes' shared shell helper (recipes/train_run.sh), run by bash with a stand-in for the CLI."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -350,3 +351,37 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     again = _retrieval_calls(tmp_path, {**env, "RELEASE_ONLY": "1"})  # here, after it: still the cooldown's
     assert again[0].startswith(f"release --adapter {cool / 'adapter'}")
     assert f"--train-log {cool / 'log.jsonl'}" in again[0]
+
+
+def test_average_adapters_takes_the_mean_and_refuses_another_base(tmp_path):
+    """recipes/average_adapters.py: each LoRA tensor is the inputs' mean; a rotation is dropped; adapters of
+    another base model are refused."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("average_adapters", Path("recipes/average_adapters.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    folders = []
+    for i, fingerprint in enumerate(["base", "base", "other"]):
+        folder = tmp_path / f"a{i}"
+        folder.mkdir()
+        save_file({"lora_A.weight": torch.full((4, 8), float(i)), "lora_B.weight": torch.full((8, 4), 2.0 * i)},
+                  str(folder / module.WEIGHTS))  # fmt: skip
+        targets = config["target_modules"][:: 1 if i == 0 else -1]  # peft writes them in no fixed order
+        (folder / module.CONFIG).write_text(json.dumps({**config, "target_modules": targets}))
+        meta = {"base_fingerprint": fingerprint, "embedding": {"pooling": "eos", "rotation": f"r{i}"}}
+        (folder / module.META).write_text(json.dumps(meta))
+        folders.append(folder)
+    assert module.main([str(folders[0]), str(folders[1]), "--output", str(tmp_path / "mean")]) == 0
+    mean = load_file(str(tmp_path / "mean" / module.WEIGHTS))
+    assert torch.equal(mean["lora_A.weight"], torch.full((4, 8), 0.5))
+    assert torch.equal(mean["lora_B.weight"], torch.full((8, 4), 1.0))
+    written = json.loads((tmp_path / "mean" / module.META).read_text())
+    assert "rotation" not in written["embedding"] and len(written["averaged_from"]) == 2
+    with pytest.raises(ValueError, match="another base model"):
+        module.main([str(folders[0]), str(folders[2]), "--output", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()

@@ -1,0 +1,89 @@
+"""Average the LoRA weights of adapters from one run (checkpoint averaging, a "uniform soup": Wortsman et al. 2022,
+arXiv:2203.05482; along one trajectory, SWA: Izmailov et al. 2018, arXiv:1803.05407).
+
+    python recipes/average_adapters.py --output runs/smollm2-135m/soup/adapter A B [C ...]
+
+Every tensor of ``adapter_model.safetensors`` is the mean of the inputs' (in fp32, written in the first's dtype).
+Decision: the LoRA factors A and B are averaged, not their products B A (whose mean has rank up to 16 x N):
+the average is again one rank-16 LoRA, close to the mean of the products while the inputs lie near each other
+on one run's path. The inputs must share the base model (fingerprint), LoRA config, tensor names and shapes and
+embedding spec; a Matryoshka rotation is dropped (fitted on one input's vectors; refit with `unimae rotation`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from unimae.adapter import adapter_revision
+from unimae.files import atomic_write_json
+
+WEIGHTS, CONFIG, META = "adapter_model.safetensors", "adapter_config.json", "unimae.json"
+
+
+def check_alike(folders: list[Path]) -> dict:
+    """The first input's unimae.json, after checking that every input matches it where averaging needs it."""
+    first = json.loads((folders[0] / META).read_text())
+    config = _lora_config(folders[0])
+    for folder in folders[1:]:
+        meta = json.loads((folder / META).read_text())
+        if meta.get("base_fingerprint") != first.get("base_fingerprint"):
+            raise ValueError(f"{folder} was trained on another base model than {folders[0]}")
+        if _lora_config(folder) != config:
+            raise ValueError(f"{folder}'s {CONFIG} differs from {folders[0]}'s")
+        spec = {k: v for k, v in meta["embedding"].items() if k != "rotation"}
+        if spec != {k: v for k, v in first["embedding"].items() if k != "rotation"}:
+            raise ValueError(f"{folder} embeds by another spec than {folders[0]}")
+    return first
+
+
+def _lora_config(folder: Path) -> dict:
+    """adapter_config.json, its target modules as a set (peft writes them in no fixed order)."""
+    config = json.loads((folder / CONFIG).read_text())
+    return {**config, "target_modules": sorted(config.get("target_modules") or [])}
+
+
+def average(folders: list[Path]) -> dict[str, torch.Tensor]:
+    """name -> mean tensor over the inputs' LoRA weights."""
+    states = [load_file(str(f / WEIGHTS)) for f in folders]
+    for folder, state in zip(folders[1:], states[1:], strict=True):
+        if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in states[0].items()}:
+            raise ValueError(f"{folder}'s tensors differ from {folders[0]}'s in names or shapes")
+    return {
+        name: (sum(s[name].float() for s in states) / len(states)).to(tensor.dtype).contiguous()
+        for name, tensor in states[0].items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("adapters", nargs="+", type=Path, help="Adapter folders of one run (at least 2).")
+    parser.add_argument("--output", type=Path, required=True, help="New adapter folder for the average.")
+    args = parser.parse_args(argv)
+    if len(args.adapters) < 2:
+        parser.error("give at least 2 adapter folders")
+    if args.output.exists():
+        parser.error(f"{args.output} exists; choose a new --output")
+    meta = check_alike(args.adapters)
+    state = average(args.adapters)
+    partial = args.output.with_name(f".{args.output.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(state, str(partial / WEIGHTS))
+    shutil.copy(args.adapters[0] / CONFIG, partial / CONFIG)
+    meta["embedding"].pop("rotation", None)
+    meta["averaged_from"] = [{"adapter": str(f), "revision": adapter_revision(f)} for f in args.adapters]
+    atomic_write_json(partial / META, meta)
+    partial.rename(args.output)
+    print(f"{args.output}: mean of {len(args.adapters)} adapters")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
