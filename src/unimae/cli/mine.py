@@ -7,6 +7,7 @@ import dataclasses
 
 from unimae.cli.arguments import add_command, add_model_arguments
 from unimae.data.mining import MiningConfig
+from unimae.training.config import add_dataclass_arguments
 
 
 def add_mine_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,14 +34,7 @@ def add_mine_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--train-batch-size", type=int, default=256, help="With --steps: the training's --batch-size.")
     parser.add_argument("--data-weights", default="sqrt", help="With --steps: the training's --data-weights.")
-    for f in dataclasses.fields(MiningConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool" or isinstance(f.default, bool):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata.get("help")
-            )
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, help=f.metadata.get("help", "Seed."))
+    add_dataclass_arguments(parser, MiningConfig)
 
 
 def _mine(args: argparse.Namespace) -> int:

@@ -43,11 +43,13 @@ class MiningConfig:
     """How negatives are chosen (the equation (1) filter and the rank window)."""
 
     relative_margin: float = field(
-        default=0.05, metadata={"help": "Drop candidates scoring above s+ - |s+| x this (eq. 1); 0: only s+ itself."}
+        default=0.05, metadata={"help": "Drop candidates scoring above s+ - |s+| x this (eq. 1); 0: only above s+."}
     )
     range_min: int = field(default=0, metadata={"help": "Skip the first N surviving candidates (0: the hardest)."})
     range_max: int = field(default=10, metadata={"help": "Consider surviving candidates ranked below N."})
-    sampling: str = field(default="top", metadata={"help": "'top': the highest in the window; 'random': any of it."})
+    sampling: str = field(
+        default="top", metadata={"help": "'top': the highest in the window; 'random': any of it.", "choices": SAMPLING}
+    )
     pool_size: int = field(
         default=0,
         metadata={"help": "Candidates per source: a seeded sample of N positives plus the mined pairs' (0: all)."},
