@@ -22,6 +22,7 @@
 #               retriever (MINER, `unimae mine`: the source's positives as candidates, a seeded pool of MINE_POOL
 #               of them plus the run's own, eq. (1)'s 5% margin, the hardest survivor; only the pairs the STEPS
 #               batches draw) unless its source gave one
+#   len256      prompts-mrl with training texts cut to 256 tokens instead of 128 (the dev suite embeds up to 512)
 # Environment: MODEL, RUNS, OUT, PAIRS (the wiki inverse-cloze pairs; built if absent), STEPS, BATCH, CHUNK,
 # EVAL_MAX_LENGTH, VARIANTS (the summary keeps every variant scored so far), UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh),
 # GEM_RUN / GEM_STEPS / GEM_SWITCH (gem-start's GEM stage), MINER / MINE_POOL (hn's miner and candidate pool).
@@ -65,6 +66,7 @@ for variant in $VARIANTS; do
     t0.02) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --temperature 0.02) ;;
     prompts-drop) flags=("${prompt_flags[@]}" --query-prompt-dropout 0.5) ;;
     seed1) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --seed 1) ;;
+    len256) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --max-length 256) ;;  # the later flag wins
     gem-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=(--init-adapter "$RUNS/$GEM_RUN/adapter") ;;
     hn) flags=("${prompt_flags[@]}" "${mrl_flags[@]}")
       mined=$PAIRS/mined-$SHORT-choices
@@ -90,7 +92,7 @@ for variant in $VARIANTS; do
     --data-dir "$DATA" --output-dir "$OUT" --label "$variant" --max-length "$EVAL_MAX_LENGTH"
 done
 done_labels=()  # every variant scored so far, in this order (a later sitting's VARIANTS adds rows, drops none)
-for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1 hn; do
+for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1 hn len256; do
   [ -f "$OUT/$variant/run.json" ] && done_labels+=("$variant")
 done
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks dev --name summary --labels "${done_labels[@]}"
