@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unimae.adapter import adapter_revision
-from unimae.files import atomic_write_json
+from unimae.files import atomic_write_json, remove, replace_folder, writing
 
 WEIGHTS, CONFIG, META = "adapter_model.safetensors", "adapter_config.json", "unimae.json"
 
@@ -72,15 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.output} exists; choose a new --output")
     meta = check_alike(args.adapters)
     state = average(args.adapters)
-    partial = args.output.with_name(f".{args.output.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(state, str(partial / WEIGHTS))
-    shutil.copy(args.adapters[0] / CONFIG, partial / CONFIG)
     meta["embedding"].pop("rotation", None)
     meta["averaged_from"] = [{"adapter": str(f), "revision": adapter_revision(f)} for f in args.adapters]
-    atomic_write_json(partial / META, meta)
-    partial.rename(args.output)
+    partial = args.output.with_name(f".{args.output.name}.partial")
+    remove(partial)
+    partial.mkdir(parents=True)
+    with writing(args.output, partial=partial):  # a failed write (a full disk) leaves no partial folder behind
+        save_file(state, str(partial / WEIGHTS))
+        shutil.copy(args.adapters[0] / CONFIG, partial / CONFIG)
+        atomic_write_json(partial / META, meta)
+        replace_folder(partial, args.output)
     print(f"{args.output}: mean of {len(args.adapters)} adapters")
     return 0
 

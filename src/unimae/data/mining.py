@@ -161,10 +161,10 @@ def rows_drawn(sizes: list[int], weights: list[float], steps: int, batch_size: i
 
     order = SourceBatchOrder(sizes, weights, batch_size, seed)
     drawn: list[set[int]] = [set() for _ in sizes]
-    for example in range(steps * batch_size):
-        index = order.text_index(example)
-        source = order.source_of(example // batch_size)
-        drawn[source].add(index - order.offsets[source])
+    for step in range(steps):
+        source = order.source_of(step)
+        examples = range(step * batch_size, (step + 1) * batch_size)
+        drawn[source].update(order.text_index(e) - order.offsets[source] for e in examples)
     return [sorted(rows) for rows in drawn]
 
 
