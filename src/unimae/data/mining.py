@@ -205,14 +205,13 @@ def mine_pairs(
     if done.get("settings") != settings:
         raise ValueError(f"{out} holds pairs mined with other settings ({record}); choose another --output-dir")
     out.mkdir(parents=True, exist_ok=True)
-    starts = [sum(mixture.sizes[:i]) for i in range(len(mixture.sizes))]
-    for source, start, size, chosen in zip(mixture.sources, starts, mixture.sizes, rows, strict=True):
+    for index, (source, chosen) in enumerate(zip(mixture.sources, rows, strict=True)):
         target = out / source.path.name
         if source.name in done["sources"] and target.is_file():
             continue
         began = time.perf_counter()
         symmetric = source.name in symmetric_sources
-        pairs = [{k: v for k, v in p.items() if k != "source"} for p in mixture.pairs[start : start + size]]
+        pairs = [{k: v for k, v in p.items() if k != "source"} for p in mixture.source_pairs(index)]
         mined, stats = mine_source(
             pairs,
             chosen,

@@ -157,6 +157,11 @@ class Mixture:
     def order(self, batch_size: int, seed: int) -> SourceBatchOrder:
         return SourceBatchOrder(self.sizes, self.weights, batch_size, seed)
 
+    def source_pairs(self, index: int) -> list[dict]:
+        """The pairs of source ``index``, in file order."""
+        start = sum(self.sizes[:index])
+        return self.pairs[start : start + self.sizes[index]]
+
     def describe(self) -> str:
         total = sum(self.weights)
         return ", ".join(
