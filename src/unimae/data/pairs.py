@@ -159,7 +159,7 @@ class Mixture:
 
     def source_pairs(self, index: int) -> list[dict]:
         """The pairs of source ``index``, in file order."""
-        start = sum(self.sizes[:index])
+        start = source_offsets(self.sizes)[index]
         return self.pairs[start : start + self.sizes[index]]
 
     def describe(self) -> str:
@@ -191,6 +191,11 @@ def load_mixture(data: str, weights: str, batch_size: int) -> Mixture:
     return Mixture(sources, pairs, sizes, resolved)
 
 
+def source_offsets(sizes: list[int]) -> list[int]:
+    """Where each source starts in the concatenated pairs: ``[0, sizes[0], sizes[0] + sizes[1], ...]``."""
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 class SourceBatchOrder:
     """Global example index -> index into the concatenated pairs; every global batch comes from ONE source.
 
@@ -206,7 +211,7 @@ class SourceBatchOrder:
         if any(w > 0 and n < batch_size for n, w in zip(sizes, weights, strict=True)):
             raise ValueError(f"every source with a weight > 0 must fill a batch of {batch_size}: sizes {sizes}")
         self.sizes, self.batch_size, self.seed = sizes, batch_size, seed
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.offsets = source_offsets(sizes)
         self.batches_per_epoch = [n // batch_size for n in sizes]
         self.probs = torch.tensor(weights, dtype=torch.float64)
         self._sources: list[int] = []  # source of every batch drawn so far
