@@ -70,6 +70,8 @@ COOLDOWN=${COOLDOWN:-0}
 source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
 # shellcheck source=recipes/train_run.sh
 source "$(dirname "$0")/train_run.sh"
+# shellcheck source=recipes/json_field.sh
+source "$(dirname "$0")/json_field.sh"  # json_field FILE KEY...
 
 run=$RUNS/$SUP_RUN
 cool=$RUNS/$SUP_RUN-cooldown
@@ -98,18 +100,6 @@ train_to() {  # steps: the supervised stage up to that many steps (resumed, or c
   else
     train_run "$run" "${sup_flags[@]}" --steps "$1"
   fi
-}
-
-json_field() {  # file key...: the JSON file's field at that key path ('' where the file, a key or a value is
-  # missing; a list's items, or an object's keys, space-separated)
-  $PYTHON - "$@" <<'EOF'
-import json, sys
-from pathlib import Path
-value = json.loads(Path(sys.argv[1]).read_text()) if Path(sys.argv[1]).is_file() else None
-for key in sys.argv[2:]:
-    value = value.get(key) if isinstance(value, dict) else None
-print(" ".join(map(str, value)) if isinstance(value, (list, dict)) else "" if value is None else value)
-EOF
 }
 
 adapter_steps() {  # [folder]: the steps the run's adapter (or that folder) holds ('' without one)

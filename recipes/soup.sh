@@ -18,12 +18,14 @@ BASE=${BASE:-$RUNS/retriever/adapter}
 INGREDIENTS=${INGREDIENTS:-$RUNS/retriever/adapter $RUNS/retriever/adapter-step-240 $RUNS/retriever-cooldown/adapter}
 LABEL=${LABEL:-soup-200-240-cooldown-240}
 CURVE_MAX_LENGTH=${CURVE_MAX_LENGTH:-256}
+# shellcheck source=recipes/json_field.sh
+source "$(dirname "$0")/json_field.sh"
 soup=$RUNS/soup-$LABEL
 mkdir -p "$OUT/soup"
 [ -f "$OUT/soup/embedding_cache.sqlite" ] || cp "$OUT/curve/embedding_cache.sqlite" "$OUT/soup/"
 # shellcheck disable=SC2086  # INGREDIENTS is a word list on purpose
 [ -f "$soup/adapter_model.safetensors" ] || $PYTHON recipes/average_adapters.py --output "$soup" $INGREDIENTS
-base_steps=$($PYTHON -c 'import json, sys; print(json.load(open(sys.argv[1]))["trained_steps"])' "$BASE/unimae.json")
+base_steps=$(json_field "$BASE/unimae.json" trained_steps)
 for pair in "$BASE:step-$base_steps" "$soup:$LABEL"; do
   $UNIMAE evaluate embeddings --model "$MODEL" --adapter "${pair%%:*}" --tasks dev --data-dir "$DATA" \
     --output-dir "$OUT/soup" --label "${pair##*:}" --max-length "$CURVE_MAX_LENGTH"

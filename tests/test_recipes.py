@@ -1,4 +1,5 @@
-"""The recipes' shared shell helper (recipes/train_run.sh), run by bash with a stand-in for the CLI."""
+"""The recipes' shared shell helpers (recipes/train_run.sh, recipes/json_field.sh) and recipes, run by bash with a
+stand-in for the CLI."""
 
 import json
 import subprocess
@@ -42,6 +43,19 @@ def test_train_run_starts_resumes_or_skips(tmp_path, files, expected):
         (run / name).write_text("")
     calls = _train_run(tmp_path, run)
     assert calls == ([] if expected is None else [expected.format(run=run)])
+
+
+def test_json_field_reads_a_key_path_and_prints_nothing_where_it_is_missing(tmp_path):
+    """recipes/json_field.sh: a nested value, a list's items space-separated, '' for a missing key or file."""
+    meta = tmp_path / "unimae.json"
+    meta.write_text(json.dumps({"trained_steps": 80, "embedding": {"matryoshka_dims": [64, 128]}}))
+    helper = ROOT / "recipes" / "json_field.sh"
+    queries = ["trained_steps", "embedding matryoshka_dims", "embedding pooling"]
+    script = "; ".join(f'echo "[$(json_field {meta} {q})]"' for q in queries)
+    script += f'; echo "[$(json_field {tmp_path / "missing.json"} trained_steps)]"'
+    env = {"PYTHON": str(ROOT / ".venv" / "bin" / "python"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(["bash", "-c", f"source {helper}; {script}"], check=True, env=env, capture_output=True)
+    assert out.stdout.decode().splitlines() == ["[80]", "[64 128]", "[]", "[]"]
 
 
 def _retrieval_calls(tmp_path: Path, env: dict, release_steps: int | None = None) -> list[str]:
