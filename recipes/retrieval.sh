@@ -37,6 +37,11 @@
 # COOLDOWN (0).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the recipe too
+chosen=()  # the recipe settings the caller set, which the release card's command repeats (COOLDOWN: see release)
+for name in START SUP_RUN OUT SUP_STEPS SUP_BATCH SUP_CHUNK SUP_MAX_LENGTH SUP_WEIGHTS TEMPERATURE SUP_FLAGS \
+  CURVE_EVERY CURVE_MAX_LENGTH STOP_EARLY WIKI QUERY_PROMPT SYMMETRIC MRL_DIMS; do
+  [ -z "${!name+x}" ] || chosen+=("$name=$(printf '%q' "${!name}")")
+done
 MODEL=${MODEL:-smollm2-135m}
 DATA=${UNIMAE_DATA:-../shared/data}
 RUNS=${RUNS:-runs/$MODEL}
@@ -157,7 +162,7 @@ EOF
 release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter; on a fresh
   # machine, where the run's adapter is gone, the release's card alone, from the results of its own weights
   local adapter=$run/adapter write=(--adapter "$run/adapter") dev=$OUT/retrieval-eos summary=() steps
-  local dims=$OUT/dimensions.json command="MODEL=$MODEL bash recipes/retrieval.sh"
+  local dims=$OUT/dimensions.json command="MODEL=$MODEL ${chosen[*]:+${chosen[*]} }bash recipes/retrieval.sh"
   if [ ! -f "$adapter/unimae.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
     adapter=$RELEASES/$RELEASE
     write=(--card-only)
@@ -401,6 +406,10 @@ if [ "$STOP_EARLY" = 1 ] && [ -f "$run/stopped-early.json" ]; then
   fi
 fi
 
+if [ ! -f "$run/adapter/unimae.json" ] && [ "$(adapter_steps "$RELEASES/$RELEASE")" = "$SUP_STEPS" ]; then
+  echo "retrieval.sh: the run reached SUP_STEPS on an earlier machine: the final stage takes the release's weights"
+  restore_release "$run/adapter"
+fi
 final=$run/adapter
 if [ -n "$TASKS" ]; then
   # shellcheck disable=SC2086  # TASKS is a word list on purpose

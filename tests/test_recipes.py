@@ -263,6 +263,31 @@ def test_retrieval_recipe_on_a_fresh_machine_judges_the_next_point_against_the_r
     assert stop == {"best": 200, "stopped_at": 240, "adapter": str(release)}
 
 
+def test_retrieval_recipe_card_command_repeats_the_settings_chosen(tmp_path):
+    """The card's command is the one that made the adapter: the recipe settings the caller set (quoted for the
+    shell), not the machine's own (RELEASES, TASKS, GENERATION)."""
+    lines = _retrieval_calls(tmp_path, {"SUP_FLAGS": "--symmetric-loss", "SUP_RUN": "sym", "QUERY_PROMPT": "Q: x"})
+    command = lines[-1].split("--command ")[1]
+    assert command.startswith("MODEL=smollm2-135m SUP_RUN=sym OUT=")
+    assert "SUP_STEPS=200 " in command and "SUP_FLAGS=--symmetric-loss " in command
+    assert "QUERY_PROMPT=Q:\\ x " in command  # quoted for the shell
+    assert command.endswith(" bash recipes/retrieval.sh")
+    assert not any(name in command for name in ("RELEASES=", "TASKS=", "GENERATION=", "RAG_QUESTIONS="))
+
+
+def test_retrieval_recipe_on_a_fresh_machine_finishes_on_a_release_that_reached_sup_steps(tmp_path):
+    """The release holds the run's last step (SUP_STEPS, no stop): a fresh machine trains nothing and the final
+    stage evaluates and releases the release's weights, restored as the run's adapter."""
+    env, release = _fresh_machine(tmp_path, {"step-80": 60.0, "step-160": 62.0}, steps=160)
+    lines = _retrieval_calls(tmp_path, {**env, "SUP_STEPS": "160"})
+    run = tmp_path / "runs" / "retriever"
+    assert not any(line.startswith("train") for line in lines)
+    assert (run / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 160"
+    final = [line for line in lines if "--label retrieval-eos " in line + " "]
+    assert final and all(f"--adapter {run / 'adapter'}" in line for line in final)
+    assert lines[-1].startswith(f"release --adapter {run / 'adapter'}")
+
+
 def test_retrieval_recipe_release_only_on_a_fresh_machine_rewrites_the_card(tmp_path):
     """RELEASE_ONLY=1 where the run's adapter is gone: the release's card from the curve point of its weights."""
     env, release = _fresh_machine(tmp_path, {"step-80": 62.0})
