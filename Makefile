@@ -23,11 +23,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The released retriever (releases/): one model indexes the held-out Wikipedia paragraphs and answers from them.
-# A second run reuses the finished index (runs/demo-index); an interrupted one resumes at its first missing shard.
+# A second run reuses the finished index (DEMO_INDEX); an interrupted one resumes at its first missing shard.
+# Another release: make demo RELEASE=unimae-smollm2-135m-retriever DEMO_INDEX=runs/demo-index-smollm2 (the model
+# is the release's base); INDEX_FLAGS=--overwrite rebuilds an index made with a release's older weights.
 RELEASE ?= unimae-gemma3-270m-retriever
+DEMO_INDEX ?= runs/demo-index
+INDEX_FLAGS ?=
 demo: setup
-	$(VENV)/bin/unimae index --model gemma3-270m --adapter $(RELEASE) --output-dir runs/demo-index
-	$(VENV)/bin/unimae ask "Who directed the film Solaris?" --index runs/demo-index
+	$(VENV)/bin/unimae index --adapter $(RELEASE) --output-dir $(DEMO_INDEX) $(INDEX_FLAGS)
+	$(VENV)/bin/unimae ask "Who directed the film Solaris?" --index $(DEMO_INDEX)
 
 # Train UniMAE on the default model: a second `make train-demo` reuses the trained adapter ("already finished";
 # rm -r runs/unimae to retrain); an interrupted one resumes from its newest checkpoint (recipes/train_run.sh).

@@ -91,3 +91,31 @@ def test_adapter_of_another_base_is_one_line(tiny_trained_run, tmp_path, capsys)
     message = capsys.readouterr().err.splitlines()[-1]  # the lines before it: progress bars
     assert "size mismatch" not in message and message.startswith("unimae embed: error: adapter")
     assert "20 weights have other shapes here" in message and "trained on another base model" in message
+
+
+def test_an_adapter_without_its_unimae_json_loads_with_a_warning_naming_what_it_loses(tiny_trained_run, tmp_path):
+    result, tiny = tiny_trained_run
+    adapter = _copy_adapter(result.adapter_dir, tmp_path / "adapter")
+    (adapter / "unimae.json").unlink()
+    with pytest.warns(UserWarning, match="has no unimae.json: it loads unchecked.*no query prompt"):
+        Encoder.from_pretrained(str(tiny), adapter=str(adapter), precision="fp32")
+
+
+def test_model_defaults_to_the_adapters_base_and_a_wrong_adapter_fails_before_a_model_loads(
+    tiny_trained_run, tmp_path, monkeypatch, capsys
+):
+    """Before: ``--model`` defaulted to smollm2-135m whatever the adapter, which loaded that model first and then
+    failed (another base) or was reported only after it loaded (a mistyped adapter path)."""
+    import json
+
+    result, tiny = tiny_trained_run
+    assert main(["embed", "--adapter", str(result.adapter_dir), "--precision", "fp32", "the cat"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 64  # the tiny base's width: the adapter's own base loaded
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(Encoder, "from_pretrained", no_loading)
+    for command in (["embed", "x"], ["export", "--output", str(tmp_path / "out")]):
+        assert main([*command, "--adapter", str(tmp_path / "typo" / "adapter")]) == 2
+        assert "not an adapter directory" in capsys.readouterr().err

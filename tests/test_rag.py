@@ -61,6 +61,10 @@ def test_index_refuses_other_passages_and_incomplete_folders(encoder, tmp_path):
     (tmp_path / "idx" / "manifest.json").write_text(json.dumps(record))
     with pytest.raises(VectorIndexError, match="precision"):  # resuming would mix shards of two precisions
         VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx")
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps({**record, "adapter_revision": "0123456789ab"}))
+    with pytest.raises(VectorIndexError, match=r"other adapter_revision.*the adapter's weights changed.*--overwrite"):
+        VectorIndex.build(encoder, PASSAGES[:5], tmp_path / "idx")  # a newer release's weights, say
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps(record))
     manifest = tmp_path / "idx" / "manifest.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "complete": False}))
     with pytest.raises(VectorIndexError, match="resume"):

@@ -368,3 +368,13 @@ def test_training_time_records_read_back_and_tolerate_damage():
     data["release"]["training"] = {"seconds": "soon"}  # damaged: read as not recorded
     assert AdapterMeta.from_dict(data).release.training is None
     assert TrainingTime(1.0, ("b",)) + TrainingTime(2.0, ("a", "b")) == TrainingTime(3.0, ("a", "b"))
+
+
+def test_a_release_with_a_misshaped_unimae_json_is_one_message_in_unimae_models(adapter, tmp_path, monkeypatch, capsys):
+    """Before: valid JSON that is not an object (``[1]``) raised a TypeError traceback from ``unimae models``."""
+    out = make_release(adapter, "tiny-retriever", tmp_path / "releases", card="card")
+    (out / "unimae.json").write_text("[1]")
+    monkeypatch.setenv("UNIMAE_RELEASES", str(tmp_path / "releases"))
+    assert main(["models"]) == 2
+    err = capsys.readouterr().err
+    assert "unimae.json is malformed" in err and "Traceback" not in err

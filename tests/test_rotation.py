@@ -78,10 +78,10 @@ def test_a_missing_or_other_rotation_is_a_clear_error(tiny_model_dirs, rotated_a
     path = adapter / ROTATION_FILE
     data = path.read_bytes()
     path.write_bytes(data[:100])
-    with pytest.raises(ValueError, match="not a readable rotation.*unimae rotation"):
+    with pytest.raises(ValueError, match="no readable rotation.*unimae rotation"):
         Encoder.from_pretrained(str(tiny_model_dirs["llama"]), adapter=str(adapter), precision="fp32")
     path.unlink()
-    with pytest.raises(FileNotFoundError, match="missing; fit it again"):
+    with pytest.raises(FileNotFoundError, match="metadata holds one; restore.*fit it again"):
         Encoder.from_pretrained(str(tiny_model_dirs["llama"]), adapter=str(adapter), precision="fp32")
     # ... and the command the errors name fits it again (the spec's stale fingerprint does not stand in its way)
     args = ["rotation", "--adapter", str(adapter), "--max-length", "32", "--precision", "fp32"]

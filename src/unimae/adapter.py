@@ -202,18 +202,31 @@ def quiet_peft():
         yield
 
 
-def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
-    """Wrap ``model`` with the PEFT adapter in ``adapter`` after checking it belongs to this base."""
-    from peft import PeftModel
-
+def adapter_folder(adapter: str | Path) -> Path:
+    """``adapter`` as a folder holding an adapter (its adapter_config.json), else an error saying what to pass."""
     directory = Path(adapter)
     if not (directory / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"{directory} is not an adapter directory (no adapter_config.json); pass the 'adapter' folder "
             "written by `unimae train`, or the name of a release (`unimae models` lists them)"
         )
+    return directory
+
+
+def attach_adapter(model, adapter: str | Path, is_trainable: bool = False):
+    """Wrap ``model`` with the PEFT adapter in ``adapter`` after checking it belongs to this base."""
+    from peft import PeftModel
+
+    directory = adapter_folder(adapter)
     config = read_json(directory / "adapter_config.json", "adapter config")  # a clear error before peft parses it
     meta = adapter_meta(directory)
+    if not (directory / ADAPTER_META).is_file():
+        warnings.warn(
+            f"{directory} has no {ADAPTER_META}: it loads unchecked against the base model and embeds the default "
+            "way (causal attention, eos pooling, no query prompt, no Matryoshka rotation); copy the adapter's "
+            f"{ADAPTER_META} with it",
+            stacklevel=2,
+        )
     if meta.base_fingerprint and meta.base_fingerprint != base_fingerprint(model):
         raise ValueError(
             f"adapter {directory} was trained on base model {meta.base_model!r}, not on the model "

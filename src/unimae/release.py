@@ -33,7 +33,7 @@ from unimae.adapter import (
     write_adapter_meta,
 )
 from unimae.embedding.rotation import load_rotation, rotation_metadata
-from unimae.files import atomic_write_text, read_json, replace_folder
+from unimae.files import atomic_write_text, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def resolve_adapter(adapter: str | Path | None) -> str | None:
         return found
     raise FileNotFoundError(
         f"adapter {str(adapter)!r} is neither a folder nor a release; releases: {available_releases() or 'none'} "
-        f"(searched {', '.join(map(str, release_roots()))})"
+        f"(searched {', '.join(map(str, release_roots()))}; ${RELEASES_ENV} adds folders of releases)"
     )
 
 
@@ -182,8 +182,10 @@ def release_revisions(adapter: str | Path) -> tuple[str, ...]:
 
 
 def release_meta(release: str | Path) -> AdapterMeta:
-    """The ``unimae.json`` of a release folder (an error when it has none)."""
-    return AdapterMeta.from_dict(read_json(Path(release) / ADAPTER_META, "release metadata"))
+    """The ``unimae.json`` of a release folder (an error when it has none, or a malformed one)."""
+    if not (Path(release) / ADAPTER_META).is_file():
+        raise FileNotFoundError(f"release {release} has no {ADAPTER_META}; restore the release's files")
+    return adapter_meta(release)
 
 
 def card_scores(card: str) -> dict[str, float]:

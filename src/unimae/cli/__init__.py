@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 
+from unimae.cli.arguments import fill_model_default
 from unimae.cli.embed import add_embed_parser, add_generate_parser
 from unimae.cli.evaluate import add_check_parser, add_compare_parser, add_evaluate_parser
 from unimae.cli.export import add_export_parser
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
+        fill_model_default(args)
         return args.func(args)
     except (FileNotFoundError, FileExistsError, ValueError, ImportError, OSError, NonFiniteLogitsError) as err:
         print(f"unimae {args.command}: error: {err}", file=sys.stderr)

@@ -82,6 +82,30 @@ def adapter_argument(value: str) -> str:
 
 
 ADAPTER_HELP = "Adapter folder written by `unimae train`, or a release name (see `unimae models`)."
+MODEL_HELP = (
+    f"Hub id, directory, .gguf or offline short name (default: the base model --adapter was trained on, as its "
+    f"unimae.json records; without an adapter {DEFAULT_MODEL})."
+)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model``, defaulting to the adapter's base model (:func:`fill_model_default` sets it after parsing)."""
+    parser.add_argument("--model", help=MODEL_HELP)
+    parser.set_defaults(model_from_adapter=True)
+
+
+def default_model(adapter: str | None) -> str:
+    """The model ``adapter`` was trained on (its unimae.json's ``base_model``), else :data:`DEFAULT_MODEL`; an
+    ``adapter`` that is no adapter folder is an error here, before any model loads."""
+    from unimae.adapter import adapter_folder, adapter_meta
+
+    return (adapter_meta(adapter_folder(adapter)).base_model if adapter else "") or DEFAULT_MODEL
+
+
+def fill_model_default(args: argparse.Namespace) -> None:
+    """Give ``args.model`` its default when the command's ``--model`` came from :func:`add_model_argument`."""
+    if getattr(args, "model_from_adapter", False) and args.model is None:
+        args.model = default_model(args.adapter)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = False) -> None:
@@ -91,7 +115,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = Fals
         parser.add_argument("--model", help="Default: the model the index was built with.")
         parser.add_argument("--adapter", type=adapter_argument, help="Default: the adapter the index was built with.")
     else:
-        parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
+        add_model_argument(parser)
         parser.add_argument("--adapter", type=adapter_argument, help=ADAPTER_HELP)
     add_precision_argument(parser)
     parser.add_argument("--device", default="auto", type=device_argument, help=DEVICE_HELP)

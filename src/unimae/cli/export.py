@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from unimae.cli.arguments import ADAPTER_HELP, DEFAULT_MODEL, adapter_argument, add_command
+from unimae.cli.arguments import ADAPTER_HELP, adapter_argument, add_command, add_model_argument
 from unimae.export.base import FORMATS
 from unimae.export.gguf import GGUF_TYPES
 
@@ -18,7 +18,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "llama.cpp LoRA GGUF.",
         _export,
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, directory, .gguf or offline short name.")
+    add_model_argument(parser)
     parser.add_argument("--adapter", type=adapter_argument, help=ADAPTER_HELP)
     parser.add_argument(
         "--format",

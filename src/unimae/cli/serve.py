@@ -22,7 +22,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from unimae.cli.arguments import DEFAULT_MODEL, add_command, add_model_arguments, inference_precisions
+from unimae.cli.arguments import add_command, add_model_arguments, default_model, inference_precisions
 from unimae.serving.config import ServerConfig, check_api_key, model_id
 from unimae.training.config import add_dataclass_arguments
 
@@ -133,7 +133,7 @@ def _load_encoder(args: argparse.Namespace) -> tuple:
         return encoder, index, args.model or index.manifest["model"]
     from unimae.encoder import Encoder
 
-    model = args.model or DEFAULT_MODEL
+    model = args.model or default_model(args.adapter)
     encoder = Encoder.from_pretrained(
         model,
         adapter=args.adapter,

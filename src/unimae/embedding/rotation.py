@@ -93,17 +93,22 @@ def load_rotation(folder: str | Path, expected: str) -> np.ndarray:
     from safetensors.numpy import load_file
 
     path, weights = Path(folder) / ROTATION_FILE, Path(folder) / "adapter_model.safetensors"
-    again = f"fit it again: unimae rotation --adapter {folder} --data ..."
+    again = (
+        f"restore the adapter's files as written (a release keeps its rotation in {weights.name}'s metadata), "
+        f"or fit it again: unimae rotation --adapter {folder} --data ... (for a release: on a copy of its folder)"
+    )
+    source = path if path.is_file() else weights
     try:
         rotation = load_file(str(path))["rotation"] if path.is_file() else None
         if rotation is None and weights.is_file():
             rotation = _from_metadata(weights)
     except (SafetensorError, KeyError, ValueError, OSError) as err:
-        raise ValueError(f"{path} is not a readable rotation ({err}); {again}") from err
+        raise ValueError(f"{source} holds no readable rotation ({err}); {again}") from err
     if rotation is None:
         raise FileNotFoundError(
-            f"{folder}'s unimae.json names a Matryoshka rotation but {path.name} is missing; {again}"
+            f"{folder}'s unimae.json names a Matryoshka rotation but neither {path.name} nor {weights.name}'s "
+            f"metadata holds one; {again}"
         )
     if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1] or fingerprint(rotation) != expected:
-        raise ValueError(f"{path} is not the rotation {folder}'s unimae.json names ({expected}); {again}")
+        raise ValueError(f"{source} does not hold the rotation {folder}'s unimae.json names ({expected}); {again}")
     return rotation

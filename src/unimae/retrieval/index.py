@@ -495,8 +495,9 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
         same += ("precision", "merged", "passages", "dim")  # a resumed build never mixes shards embedded two ways
         changed = [k for k in same if old.get(k) != manifest.get(k)]
         if changed or old.get("config", {}).get("shard_size") != config.shard_size:
+            why = " (the adapter's weights changed: retrained, or a newer release)" * ("adapter_revision" in changed)
             raise VectorIndexError(
-                f"{manifest_path.parent} holds an index built with other {', '.join(changed) or 'shard_size'}; "
+                f"{manifest_path.parent} holds an index built with other {', '.join(changed) or 'shard_size'}{why}; "
                 "pass --overwrite to rebuild it or choose another --output-dir"
             )
     elif overwrite:

@@ -298,7 +298,9 @@ def load_index_and_encoder(
     if given != built:
         raise VectorIndexError(
             f"the index in {index_dir} was built with adapter revision {built} but {adapter or 'no adapter'} is "
-            f"revision {given}; rebuild the index (unimae index --overwrite) or pass the adapter it was built with"
+            f"revision {given}: its weights were retrained or replaced (a newer release?) or are damaged. Pass the "
+            "adapter the index was built with, or rebuild the index (unimae index --overwrite) once `unimae check "
+            "--adapter ...` loads the new weights"
         )
     if model is not None and manifest.get("model") not in (None, model):
         logger.warning(
