@@ -324,3 +324,30 @@ def test_every_help_page_renders(capsys):
             parser.parse_args([*argv, "--help"])
         assert stop.value.code == 0, argv
         assert "usage:" in capsys.readouterr().out, argv
+
+
+def test_embed_gives_one_row_per_input_line_and_int8_codes_scaled_by_a_calibration_file(
+    tiny_model_dirs, tmp_path, capsys
+):
+    """Before: empty lines of an --input file were dropped (stdin kept them), so the .npy rows no longer lined up
+    with the file's lines."""
+    tiny = str(tiny_model_dirs["llama"])
+    src = tmp_path / "in.txt"
+    src.write_text("one\n\nthree\n   \n")
+    base = ["embed", "--model", tiny, "--precision", "fp32"]
+    assert main([*base, "--input", str(src), "--output", str(tmp_path / "e.npy")]) == 0
+    rows = np.load(tmp_path / "e.npy")
+    assert rows.shape == (4, 64) and np.array_equal(rows[1], rows[3])  # '' and '   ' both embed as BOS/EOS
+    calibration = tmp_path / "calibration.npy"
+    np.save(calibration, rows)
+    capsys.readouterr()
+    assert main([*base, "--quantize", "int8", "--calibration", str(calibration), "two"]) == 0
+    codes = json.loads(capsys.readouterr().out)
+    assert len(codes) == 64 and all(-128 <= c <= 127 for c in codes)
+    assert main([*base, "--quantize", "int8", "two"]) == 2  # one vector: its own ranges say nothing
+    assert "needs per-dimension ranges" in capsys.readouterr().err
+    assert main([*base, "--calibration", str(calibration), "two"]) == 2
+    assert "scales --quantize int8 or uint8" in capsys.readouterr().err
+    (tmp_path / "bad.npy").write_text("not an array")
+    assert main([*base, "--quantize", "int8", "--calibration", str(tmp_path / "bad.npy"), "two"]) == 2
+    assert "not a readable .npy" in capsys.readouterr().err

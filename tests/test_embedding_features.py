@@ -343,3 +343,49 @@ def test_init_lora_starts_one_lora_where_the_merged_stage_would(tiny_model_dirs,
     (tokens / "adapter_config.json").write_text(json.dumps({**config, "trainable_token_indices": [5]}))
     with pytest.raises(ValueError, match="trains token embedding rows"):
         train(_config(tiny, data, tmp_path / "rows", init_lora=str(tokens)))
+
+
+def test_encode_names_sentence_transformers_spellings_instead_of_ignoring_them(tiny_model_dirs):
+    """Before: ``normalize_embeddings=True`` was swallowed by ``**quantize_options`` and the vectors came back
+    unnormalised."""
+    enc = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY})
+    with pytest.raises(TypeError, match=r"normalize_embeddings \(use normalize\), truncate_dim \(use dimensions\)"):
+        enc.encode(["x"], normalize_embeddings=True, truncate_dim=8)
+    with pytest.raises(TypeError, match="encode_query sets prompt_name"):
+        enc.encode_query(["x"], prompt_name="query")
+    full = enc.encode(["one text", "two"])
+    np.testing.assert_array_equal(enc.encode(["one text", "two"], dimensions=np.int64(8)), full[:, :8])
+
+
+def test_int8_codes_take_ranges_from_full_size_calibration_vectors_finished_alike(tiny_model_dirs):
+    enc = _encoder(tiny_model_dirs["llama"], matryoshka_dims=(8,))
+    calibration = enc.encode(["a cat", "a dog", "the rain", "an old river"])  # (4, D) full size, unnormalised
+    finished = calibration[:, :8] / np.linalg.norm(calibration[:, :8], axis=1, keepdims=True)
+    ranges = np.stack([finished.min(0), finished.max(0)])
+    expected = enc.encode(["a bird"], dimensions=8, normalize=True, precision="int8", ranges=ranges)
+    got = enc.encode(["a bird"], dimensions=8, normalize=True, precision="int8", calibration_embeddings=calibration)
+    np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match="of one vector needs per-dimension ranges"):
+        enc.encode(["a bird"], precision="int8")
+    with pytest.raises(ValueError, match="calibration_embeddings must be"):
+        enc.encode(["a", "b"], precision="int8", calibration_embeddings=calibration[:, :5])
+    with pytest.raises(ValueError, match=r"ranges must be \(2, 8\)"):
+        enc.encode(["a", "b"], dimensions=8, precision="int8", ranges=ranges[:, :4])
+
+
+def test_encode_tokenizes_a_large_list_block_by_block_with_the_same_vectors(tiny_model_dirs, monkeypatch):
+    import unimae.encoder
+
+    enc = _encoder(tiny_model_dirs["llama"])
+    texts = ["a cat", "a much longer text about the weather today", "", "dogs", "the river flows to the sea"]
+    whole = enc.encode(texts)
+    seen, build = [], EmbeddingSpec.build_inputs
+
+    def counted(spec, tokenizer, block, *args, **kwargs):
+        seen.append(len(block))
+        return build(spec, tokenizer, block, *args, **kwargs)
+
+    monkeypatch.setattr(unimae.encoder, "ENCODE_BLOCK", 2)
+    monkeypatch.setattr(EmbeddingSpec, "build_inputs", counted)
+    np.testing.assert_allclose(enc.encode(texts), whole, rtol=1e-5, atol=1e-6)
+    assert seen == [2, 2, 1]

@@ -212,6 +212,8 @@ def test_stop_string_cuts_the_completion(client):
         ("/v1/embeddings", {"input": "a", "model": "gpt-4"}, 404, "not served"),
         ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
         ("/v1/embeddings", {"input": "a", "dimensions": 3}, 400, "dimensional"),
+        ("/v1/embeddings", {"input": "a", "dimensions": "64"}, 400, "dimensions"),  # a strict integer
+        ("/v1/embeddings", {"input": "a", "dimensions": True}, 400, "dimensions"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "limit of 32"),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),

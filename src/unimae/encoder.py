@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ from unimae.embedding.pooling import PooledInput, pool
 from unimae.embedding.rotation import load_rotation
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
-from unimae.embedding.vectors import finish_embeddings
+from unimae.embedding.vectors import finish_embeddings, refuse_unknown_options
 from unimae.generation.kv_cache import returned_cache
 from unimae.generation.prompt import check_fits, prompt_ids
 from unimae.generation.sampling import GenerationParams
@@ -179,7 +180,9 @@ class Encoder:
         prompt: str | None = None,
         dimensions: int | None = None,
         precision: str = "float32",
-        **quantize_options,
+        ranges: np.ndarray | None = None,
+        calibration_embeddings: np.ndarray | None = None,
+        **unknown,
     ) -> np.ndarray:
         """Embed texts -> (N, D) array (1-D for a single string), in input order.
 
@@ -188,29 +191,48 @@ class Encoder:
         keep the first k coordinates (Matryoshka; normalised after truncation when ``normalize``), of the
         rotated vector when the adapter has a rotation (:mod:`unimae.embedding.rotation`).
         ``precision``: 'float32', or quantized by sentence-transformers' ``quantize_embeddings``: 'int8' /
-        'uint8' (per-dimension ranges from ``calibration_embeddings=`` or ``ranges=`` in ``quantize_options``,
-        else from these embeddings themselves), 'binary' / 'ubinary' (sign bits packed 8 per byte: D / 8 bytes).
+        'uint8' (per-dimension ranges from ``ranges`` (2, k) or ``calibration_embeddings`` (M, D), else from these
+        embeddings themselves: :func:`~unimae.embedding.vectors.finish_embeddings`), 'binary' / 'ubinary' (sign
+        bits packed 8 per byte: D / 8 bytes). Other keywords (sentence-transformers' spellings among them) are a
+        TypeError naming this method's own.
         """
+        refuse_unknown_options(unknown)
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         check_dimensions(dimensions, self.embedding_dim, self.spec)
         prefix = prompt if prompt is not None else self.spec.prompt(prompt_name)
-        inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length, prompt=prefix) if texts else []
-        out = self.encode_inputs(inputs, batch_size, normalize=False, show_progress=show_progress)
-        out = finish_embeddings(out, dimensions, normalize, precision, self.rotation, **quantize_options)
+        out = self._encode_blocks(texts, prefix, batch_size, show_progress)  # (N, D)
+        out = finish_embeddings(out, dimensions, normalize, precision, self.rotation, ranges, calibration_embeddings)
         return out[0] if single else out
+
+    def _encode_blocks(self, texts: list[str], prefix: str | None, batch_size: int, show_progress) -> np.ndarray:
+        """(N, D) float32 embeddings of ``texts``, tokenized :data:`ENCODE_BLOCK` at a time (token lists of every
+        text at once would take gigabytes for a large corpus; the vectors do not depend on the batching)."""
+        if len(texts) <= ENCODE_BLOCK:
+            inputs = self.spec.build_inputs(self.tokenizer, texts, self.max_length, prompt=prefix) if texts else []
+            return self.encode_inputs(inputs, batch_size, normalize=False, show_progress=show_progress)
+        out = np.empty((len(texts), self.embedding_dim), dtype=np.float32)
+        with tqdm(total=len(texts), desc="encode", unit="text", disable=show_progress is False) as bar:
+            for start in range(0, len(texts), ENCODE_BLOCK):
+                block = texts[start : start + ENCODE_BLOCK]
+                inputs = self.spec.build_inputs(self.tokenizer, block, self.max_length, prompt=prefix)
+                out[start : start + len(block)] = self.encode_inputs(inputs, batch_size, show_progress=False)
+                bar.update(len(block))
+        return out
 
     def encode_query(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
         """:meth:`encode` with the adapter's 'query' prompt (none if it has no such prompt): retrieval queries."""
-        return self.encode(texts, prompt_name=self._prompt_or_none("query"), **kwargs)
+        return self.encode(texts, prompt_name=self._prompt_or_none("query", kwargs), **kwargs)
 
     def encode_document(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
         """:meth:`encode` with the adapter's 'document' prompt (none if it has no such prompt): passages."""
-        return self.encode(texts, prompt_name=self._prompt_or_none("document"), **kwargs)
+        return self.encode(texts, prompt_name=self._prompt_or_none("document", kwargs), **kwargs)
 
-    def _prompt_or_none(self, name: str) -> str | None:
+    def _prompt_or_none(self, name: str, kwargs: dict) -> str | None:
+        if "prompt_name" in kwargs:
+            raise TypeError(f"encode_{name} sets prompt_name={name!r} itself: call encode(prompt_name=...) instead")
         return name if name in self.spec.prompt_map else None
 
     @torch.inference_mode()
@@ -303,6 +325,7 @@ class Encoder:
 
 
 _POOLING_OPTIONS = ("summary_ids", "echo_template")
+ENCODE_BLOCK = 4096  # texts tokenized at a time by Encoder.encode (bounded memory; sorted by length within one)
 
 
 def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> None:
@@ -310,7 +333,7 @@ def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> 
     vectors are usable but were never trained to stand alone)."""
     if dimensions is None:
         return
-    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= full:
+    if isinstance(dimensions, bool) or not isinstance(dimensions, numbers.Integral) or not 1 <= dimensions <= full:
         raise ValueError(f"dimensions must be an integer from 1 to {full} (this model's size), got {dimensions!r}")
     if dimensions < full and dimensions not in spec.matryoshka_dims and not spec.rotation:
         trained = list(spec.matryoshka_dims) or "none"

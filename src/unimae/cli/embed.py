@@ -22,7 +22,7 @@ def add_embed_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--input",
         help="A .txt (one text per line), .jsonl (--field of each line) or .parquet file, or '-' for stdin "
-        "(one text per line). Empty texts in a file are skipped.",
+        "(one text per line). Every text is one output row, empty ones too (embedded as BOS/EOS).",
     )
     parser.add_argument("--field", default="text", help="Text field of a .jsonl / .parquet --input.")
     parser.add_argument("--output", help="Write a .npy array instead of printing JSON lines.")
@@ -39,8 +39,14 @@ def add_embed_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quantize",
         choices=("int8", "uint8", "binary", "ubinary"),
-        help="Quantize the vectors (sentence-transformers): int8/uint8 with per-dimension ranges from these "
-        "texts' own embeddings; binary/ubinary packs sign bits (D / 8 bytes).",
+        help="Quantize the vectors (sentence-transformers): int8/uint8 with per-dimension ranges from --calibration "
+        "or these texts' own embeddings; binary/ubinary packs sign bits (D / 8 bytes).",
+    )
+    parser.add_argument(
+        "--calibration",
+        help="A .npy of float embeddings (e.g. `unimae embed --output` of a corpus sample, full size or as "
+        "--dimensions/--normalize finish them) whose per-dimension ranges scale --quantize int8/uint8, so codes "
+        "of separate runs compare.",
     )
 
 
@@ -64,7 +70,7 @@ def read_texts(texts: list[str], source: str | None, field: str = "text") -> lis
 
         if not Path(source).is_file():
             raise FileNotFoundError(f"input file {source} does not exist")
-        return load_texts(source, field)
+        return load_texts(source, field, keep_empty=True)
     return stdin_lines()
 
 
@@ -123,6 +129,7 @@ def _embed(args: argparse.Namespace) -> int:
         prompt=prompt,
         dimensions=args.dimensions,
         precision=args.quantize or "float32",
+        calibration_embeddings=_calibration(args),
     )
     if args.output:
         np.save(args.output, vectors)
@@ -131,6 +138,20 @@ def _embed(args: argparse.Namespace) -> int:
         for row in vectors:
             print(json.dumps(row.tolist() if args.quantize else [round(float(x), 6) for x in row]))
     return 0
+
+
+def _calibration(args: argparse.Namespace):
+    """The --calibration vectors (None without the flag); a flag without --quantize int8/uint8 is an error."""
+    import numpy as np
+
+    if not args.calibration:
+        return None
+    if args.quantize not in ("int8", "uint8"):
+        raise ValueError("--calibration scales --quantize int8 or uint8; it does nothing otherwise")
+    try:
+        return np.load(args.calibration, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise ValueError(f"--calibration {args.calibration}: not a readable .npy array ({err})") from None
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -154,8 +154,9 @@ def _read_hub(name: str, field: str) -> list[str]:
     return _strings(dataset[field], name, field)
 
 
-def load_texts(data: str = DEFAULT_CORPUS, field: str = "text") -> list[str]:
-    """Load training texts; drops empty and whitespace-only ones; errors on an empty result."""
+def load_texts(data: str = DEFAULT_CORPUS, field: str = "text", keep_empty: bool = False) -> list[str]:
+    """Load training texts, without outer whitespace; drops empty and whitespace-only ones (``keep_empty``:
+    keeps them, one text per line or row, as ``unimae embed`` needs); errors on an empty result."""
     path = Path(data).expanduser()
     if data == DEFAULT_CORPUS:
         texts = enwiki_gensim_paragraphs()
@@ -171,7 +172,7 @@ def load_texts(data: str = DEFAULT_CORPUS, field: str = "text") -> list[str]:
         raise CorpusError(f"data file {path} does not exist")
     else:
         texts = _read_hub(data, field)
-    kept = [t.strip() for t in texts if t.strip()]
+    kept = [t.strip() for t in texts if keep_empty or t.strip()]
     if len(kept) < len(texts):
         logger.warning("dropped %d empty or whitespace-only texts from %s", len(texts) - len(kept), data)
     if not kept:

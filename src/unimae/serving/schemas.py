@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, StrictInt, ValidationError, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -134,7 +134,7 @@ class EmbeddingRequest(BaseModel):
     input: str | list = Field(description="A text or a list of texts.")
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None  # 256, not "256", 256.0 or true
     input_type: Literal["query", "document"] | None = Field(
         default=None, description="'query' or 'document': embed with the model's prompt of that name (if it has one)."
     )
