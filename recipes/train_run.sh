@@ -1,6 +1,6 @@
 # Sourced by the recipes (needs $UNIMAE): `train_run DIR [unimae train flags...]` trains a run into DIR or
 # finishes it.
-# - DIR has checkpoints: `unimae train --resume` (it returns at once when the run's adapter is its last step's;
+# - DIR has checkpoints (step-* folders): `unimae train --resume` (it returns at once when the run's adapter is its last step's;
 #   an interrupted run writes its adapter too, at the step it stopped, so an adapter alone does not mean done);
 # - DIR has an adapter and no checkpoints: taken as finished;
 # - otherwise a new run starts.
@@ -9,7 +9,7 @@
 train_run() {
   local dir=$1
   shift
-  if [ -d "$dir/checkpoints" ] && [ -n "$(ls -A "$dir/checkpoints")" ]; then
+  if compgen -G "$dir/checkpoints/step-*" > /dev/null; then  # not a .tmp-step-* a kill left mid-write
     $UNIMAE train --resume --output-dir "$dir" "$@"
   elif [ ! -f "$dir/adapter/adapter_config.json" ]; then
     $UNIMAE train --output-dir "$dir" "$@"

@@ -33,8 +33,10 @@ def _train_run(tmp_path: Path, run: Path) -> list[str]:
             RESUME,
         ),
         (["adapter/adapter_config.json"], None),  # an adapter without checkpoints: finished, left alone
+        # killed while writing its first checkpoint: a new run (before: --resume, refused on every rerun)
+        (["checkpoints/.tmp-step-000001-123/state.pt"], "train --output-dir {run} --steps 3"),
     ],
-    ids=["new", "interrupted", "adapter-and-checkpoints", "adapter-only"],
+    ids=["new", "interrupted", "adapter-and-checkpoints", "adapter-only", "killed-mid-first-checkpoint"],
 )
 def test_train_run_starts_resumes_or_skips(tmp_path, files, expected):
     run = tmp_path / "run"
