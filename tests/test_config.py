@@ -92,6 +92,19 @@ def test_unknown_key_and_bad_values_are_clear_errors(tmp_path):
         with pytest.raises(ValueError, match="inside --output-dir"):
             TrainConfig(output_dir=str(tmp_path / "run"), **{flag: str(tmp_path / "run" / "a" / "b")}).validate()
     TrainConfig(output_dir=str(tmp_path / "run2"), init_lora=str(tmp_path / "run" / "adapter")).validate()
+    for flag in ("init_lora", "continue_adapter"):  # before: a raw AttributeError once the model had loaded
+        with pytest.raises(ValueError, match="--full-params trains no LoRA"):
+            TrainConfig(output_dir=str(tmp_path / "r"), full_params=True, **{flag: str(tmp_path / "a")}).validate()
+    with pytest.raises(ValueError, match="names no module"):
+        TrainConfig(lora_target_modules=" , ").validate()
+
+
+def test_lora_target_modules_are_all_linear_or_a_list_of_names():
+    """Before: 'q_proj,v_proj' went to peft as one string, a regex that matches no module path."""
+    from unimae.training.config import lora_targets
+
+    assert lora_targets("all-linear") == "all-linear"
+    assert lora_targets("q_proj, v_proj") == ["q_proj", "v_proj"] and lora_targets("q_proj") == ["q_proj"]
 
 
 @pytest.mark.parametrize(

@@ -402,6 +402,12 @@ def test_bad_mixtures_are_clear_errors(tmp_path, data, weights, batch, message):
         (b'{"query": "a", "positive": "  "}\n', r"line 1: missing or empty field\(s\) \['positive'\]"),
         (b'{"query": "a", "positive": "b"}\n{"query": "\xff", "positive": "b"}\n', "line 2: invalid UTF-8"),
         (b'{"query": "a", "positive": "b"}\n', "at least 2 pairs"),
+        # before: accepted, and the tokenizer failed hours later at the step that drew the pair
+        (
+            b'{"query": "a", "positive": "b"}\n{"query": "c", "positive": "\\ud800"}\n',
+            "line 2: 'positive' holds a lone",
+        ),
+        (b'{"query": "a", "positive": "b", "negative": "x\\udfff"}\n', "line 1: 'negative' holds a lone surrogate"),
     ],
 )
 def test_bad_pair_files_name_the_file_and_line(tmp_path, content, message):

@@ -337,6 +337,8 @@ def test_init_lora_starts_one_lora_where_the_merged_stage_would(tiny_model_dirs,
         train(_config(tiny, data, tmp_path / "both", init_lora=str(first), init_adapter=str(first)))
     with pytest.raises(FileNotFoundError, match="not an adapter folder"):
         train(_config(tiny, data, tmp_path / "none", init_lora=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="first stage, does not exist"):  # before: the default spec, silently
+        train(_config(tiny, data, tmp_path / "gone", init_lora=str(tmp_path / "gone-stage" / "adapter")))
     tokens = tmp_path / "tokens"  # an adapter that also trains token rows (GEM's summary tokens)
     shutil.copytree(first, tokens)
     config = json.loads((tokens / "adapter_config.json").read_text())

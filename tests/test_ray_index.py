@@ -156,6 +156,8 @@ def test_ray_build_killed_mid_run_resumes(local_ray, tiny_llama, tmp_path):
     load = EncoderLoad(tiny_llama, max_length=64, precision="fp32")
     index = build_on_ray(load, CORPUS, out, IndexConfig(shard_size=5), ray_config=RayConfig(workers=2))
     assert len(index) == 50 and index.manifest["complete"]
+    # built from Python without source=: the manifest still names the model and (no) adapter, as an Encoder's does
+    assert index.manifest["model"] == os.path.realpath(tiny_llama) and index.manifest["adapter_revision"] == "base"
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in kept} == stamps, "finished shards are not redone"
     _assert_same_vectors(_vectors(out), _reference(tiny_llama))  # the damaged and the missing shards redone
 
@@ -173,3 +175,15 @@ def test_a_passage_that_breaks_a_worker_fails_the_job_by_its_id(local_ray, tiny_
     assert not json.loads((out / "manifest.json").read_text())["complete"] and not (out / "index.faiss").exists()
     with pytest.raises(VectorIndexError, match="incomplete"):
         VectorIndex.load(out)
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_start_ends_the_job_with_one_clear_error(local_ray, tiny_llama, tmp_path, monkeypatch):
+    """Before: the RayActorError (with Ray's traceback) reached the command line raw."""
+    import unimae.retrieval.ray_index as ray_index
+
+    facts = ray_index.worker_facts
+    monkeypatch.setattr(ray_index, "worker_facts", lambda *args: {**facts(*args), "max_length": 63})  # as a GPU node
+    load = EncoderLoad(tiny_llama, max_length=64, precision="fp32")
+    with pytest.raises(VectorIndexError, match=r"the Ray job failed \(RuntimeError: this worker's encoder embeds as"):
+        build_on_ray(load, CORPUS[:20], tmp_path / "idx", IndexConfig(shard_size=5), ray_config=RayConfig(workers=2))

@@ -46,6 +46,8 @@ def test_resuming_a_finished_run_returns_at_once_and_more_steps_continue_it(
         patch.setattr(trainer, "_setup", lambda *a, **k: pytest.fail("a finished run loaded its model"))
         result = train(short_train_config(tiny_dir, corpus_file, out, steps=2), resume=True)
     assert result.already_finished and result.steps == 2 and adapter.stat().st_mtime_ns == written
+    with pytest.raises(ValueError, match=r"settings differ .*lr 0.0001 -> 0.0005"):  # before: "already finished"
+        train(short_train_config(tiny_dir, corpus_file, out, steps=2, lr=5e-4), resume=True)
     merged = train(short_train_config(tiny_dir, corpus_file, out, steps=2, merge=True), resume=True)
     assert merged.already_finished and (out / "merged" / "config.json").is_file()  # --merge asked only now
     longer = train(short_train_config(tiny_dir, corpus_file, out, steps=3), resume=True)
@@ -242,3 +244,15 @@ def test_second_stop_signal_aborts_at_once(tiny_model_dirs, corpus_file, tmp_pat
         train(short_train_config(tiny_model_dirs["llama"], corpus_file, out, save_every=0))
     assert signal.getsignal(signal.SIGINT) is handler
     assert [r["step"] for r in read_log(out)] == [1] and not checkpoint_dir(out).exists()
+
+
+def test_continuing_a_unimae_adapter_warns_that_its_mrc_decoder_starts_afresh(
+    tiny_model_dirs, corpus_file, tmp_path, caplog
+):
+    """--continue-adapter holds the LoRA only: UniMAE's throw-away decoder is not in the adapter."""
+    tiny = tiny_model_dirs["llama"]
+    train(short_train_config(tiny, corpus_file, tmp_path / "a", steps=2))
+    with caplog.at_level("WARNING", logger="unimae.training.trainer"):
+        source = str(tmp_path / "a" / "adapter")
+        train(short_train_config(tiny, corpus_file, tmp_path / "b", steps=3, continue_adapter=source))
+    assert "restores the LoRA weights only" in caplog.text and "start afresh" in caplog.text

@@ -53,6 +53,11 @@ def load_pairs(path: str | Path) -> list[dict]:
         negative = record.get("negative")
         if negative is not None and not isinstance(negative, str):
             raise CorpusError(f"{file}, line {number}: 'negative' must be a string")
+        for key in ("positive", "negative"):  # the query's UTF-8 was checked by jsonl_records
+            try:
+                (record.get(key) or "").encode("utf-8")
+            except UnicodeEncodeError as err:  # a JSON \ud800 escape: not text
+                raise CorpusError(f"{file}, line {number}: {key!r} holds a lone surrogate ({err})") from err
         row = {"query": record["query"], "positive": record["positive"]}
         if negative and negative.strip():
             row["negative"] = negative

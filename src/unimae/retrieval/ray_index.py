@@ -21,10 +21,10 @@ Ray does the scheduling, the actor restarts and task retries after a lost worker
 movement (its object store); nothing here distributes work by hand. A passage that makes its worker raise is
 not retried (an application error would fail again): the worker finds the passage and reports it with the shard,
 the driver stops the job with a :class:`~unimae.retrieval.index.VectorIndexError` naming the passage id, the shards
-finished before it stay, and a rerun resumes after the fix. Without an ``address`` a local Ray starts with
-``workers * num_cpus_per_worker`` CPUs, so one command runs on a laptop and on a cluster (``address="auto"`` or
-``ray://head:10001``), where every worker must reach the model and the adapter by the paths given (the driver
-alone writes the folder).
+finished before it stay, and a rerun resumes after the fix. Without an ``address`` (or ``$RAY_ADDRESS``) a local
+Ray starts with ``workers * num_cpus_per_worker`` CPUs, so one command runs on a laptop and on a cluster
+(``address="auto"`` or ``ray://head:10001``), where every worker must reach the model and the adapter by the paths
+given (made absolute; the driver alone writes the folder).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from unimae.adapter import load_record
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
+from unimae.release import resolve_adapter
 from unimae.retrieval.disk_index import DiskIndex, DiskIndexConfig
 from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError, _shard_ok, write_shard
 
@@ -88,6 +91,13 @@ class EncoderLoad:
     precision: str = "auto"
     device: str = "auto"  # auto: the GPU Ray gave the worker (--num-gpus-per-worker), else its CPU
 
+    def __post_init__(self):
+        """Local paths made absolute (and a release name its folder): a worker's working directory is Ray's."""
+        if self.adapter:
+            self.adapter = str(Path(resolve_adapter(self.adapter)).resolve())
+        if Path(self.model).expanduser().exists():
+            self.model = str(Path(self.model).expanduser().resolve())
+
     def load(self):
         return Encoder.from_pretrained(
             self.model, adapter=self.adapter, max_length=self.max_length, precision=self.precision, device=self.device
@@ -112,7 +122,8 @@ class _ShardsMissing(Exception):
 class _PlannedEncoder:
     """The parts of an Encoder a store's ``build`` reads, as a worker reported them; it embeds nothing."""
 
-    def __init__(self, facts: dict):
+    def __init__(self, facts: dict, load: EncoderLoad):
+        self.source = load_record(load.model, load.adapter)  # the manifest names the model and adapter, as an Encoder's
         self.spec = EmbeddingSpec.from_dict(facts["spec"])
         self.max_length, self.precision = facts["max_length"], facts["precision"]
         self.adapter_merged, self.embedding_dim = facts["adapter_merged"], facts["embedding_dim"]
@@ -185,28 +196,35 @@ def build_on_ray(
     ray = _ray()
     with ray_session(ray, ray_config):
         facts = worker_facts(ray, load, ray_config)
-        planned = _PlannedEncoder(facts)
+        planned = _PlannedEncoder(facts, load)
         try:
             return store.build(planned, passages, directory, config, source, overwrite)
         except _ShardsMissing:
             pass
         shards = Path(directory) / "shards"
         embed_missing_shards(ray, load, facts, passages, shards, config, ray_config)
-    return store.build(planned, passages, directory, config, source)
+    try:
+        return store.build(planned, passages, directory, config, source)
+    except _ShardsMissing:
+        raise VectorIndexError(
+            f"shards of {directory} are still missing or damaged after the Ray job (a full disk, or another "
+            "process writing the folder?); rerun to embed them"
+        ) from None
 
 
 @contextlib.contextmanager
 def ray_session(ray, ray_config: RayConfig) -> Iterator[None]:
-    """Join ``ray_config.address``, or start a local Ray sized for the workers; one already running (started by
-    the caller) is used as it is and left running."""
+    """Join ``ray_config.address`` (else ``$RAY_ADDRESS``), or start a new local Ray sized for the workers; one
+    already initialised in this process (by the caller) is used as it is and left running."""
     if ray.is_initialized():
         yield
         return
-    if ray_config.address:
-        ray.init(address=ray_config.address, runtime_env=ray_config.runtime_env)
-    else:
+    address = ray_config.address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
+    if address:
+        ray.init(address=address, runtime_env=ray_config.runtime_env)
+    else:  # "local": a new Ray even where `ray start` runs one on this machine (joining it takes no num_cpus)
         cpus = math.ceil(ray_config.workers * ray_config.num_cpus_per_worker)
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=ray_config.runtime_env)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=ray_config.runtime_env)
     try:
         yield
     finally:
@@ -259,8 +277,19 @@ def embed_missing_shards(
         num_gpus=ray_config.num_gpus_per_worker,
     )
     with tqdm(total=len(rows), desc="index shards (ray)", unit="shard") as progress:
-        _write_shards(embedded.iter_rows(), shards, progress)
+        try:
+            _write_shards(embedded.iter_rows(), shards, progress)
+        except ray.exceptions.RayError as err:  # a worker that could not start, a lost node past Ray's retries
+            raise VectorIndexError(
+                f"the Ray job failed ({_last_line(err)}); the shards embedded before it are kept: rerun to resume"
+            ) from err
     return len(rows)
+
+
+def _last_line(err: Exception) -> str:
+    """The last non-empty line of a Ray error's text (its cause, after Ray's traceback)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def _write_shards(rows, shards: Path, progress) -> None:

@@ -163,7 +163,11 @@ class TrainConfig:
         default=0.0, metadata={"help": "LoRA dropout (paper: not stated; 0 makes a CPU step faster)."}
     )
     lora_target_modules: str = field(
-        default="all-linear", metadata={"help": "peft target_modules: attention and MLP projections."}
+        default="all-linear",
+        metadata={
+            "help": "Modules that get LoRA: 'all-linear' (attention and MLP projections) or comma-separated module "
+            "names (q_proj,v_proj: each matches modules whose name ends with it, as peft's list form)."
+        },
     )
     full_params: bool = field(default=False, metadata={"help": "Train all parameters instead of LoRA."})
 
@@ -222,6 +226,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= {value}, got {getattr(self, name)}")
         if self.init_adapter and self.init_lora:
             raise ValueError("--init-adapter and --init-lora are two ways to start from a stage: pass one")
+        if self.full_params and (self.init_lora or self.continue_adapter):
+            raise ValueError("--init-lora and --continue-adapter load LoRA weights; --full-params trains no LoRA")
+        if not self.full_params and not lora_targets(self.lora_target_modules):
+            raise ValueError("--lora-target-modules names no module: pass 'all-linear' or names like q_proj,v_proj")
         out = Path(self.output_dir).resolve()
         for flag, path in (
             ("--init-adapter", self.init_adapter),
@@ -428,3 +436,11 @@ def _warn_ignored(flags: dict[str, Any], method: str) -> None:
     if ignored:
         names = ", ".join("--" + k.replace("_", "-") for k in ignored)
         logger.warning("%s: not options of --method %s, ignored", names, method)
+
+
+def lora_targets(value: str) -> str | list[str]:
+    """peft's ``target_modules`` for ``--lora-target-modules``: 'all-linear' as it is, else the comma-separated
+    names as a list (a plain string would be a regex matched against whole module paths: 'q_proj' matches none)."""
+    if value.strip() == "all-linear":
+        return "all-linear"
+    return [name.strip() for name in value.split(",") if name.strip()]

@@ -44,6 +44,7 @@ from unimae.adapter import (
 )
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
+from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import choose_mask_token
 from unimae.files import (
     atomic_write_json,
@@ -66,7 +67,7 @@ from unimae.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from unimae.training.config import TrainConfig, flag_defaults, flat_values
+from unimae.training.config import TrainConfig, flag_defaults, flat_values, lora_targets
 from unimae.training.methods import Context, Method, get_method
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def _build_llm(config: TrainConfig, model, method: Method):
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=method.lora_dropout,
-        target_modules=config.lora_target_modules,
+        target_modules=lora_targets(config.lora_target_modules),
         task_type="CAUSAL_LM",
         **method.lora_extra(),
     )
@@ -197,17 +198,21 @@ def _restore(state: dict, config: TrainConfig, objective: torch.nn.Module, finge
                 f"checkpoint in {out} does not match this configuration ({problem} such as {names[:3]}); "
                 "resume with the run's own config.json"
             )
-    may_change = _RESUME_MAY_CHANGE - set(fixed)
+    _check_resumed_settings(state, config, _RESUME_MAY_CHANGE - set(fixed))
+    objective.load_state_dict(state["trainable"], strict=False)
+
+
+def _check_resumed_settings(state: dict, config: TrainConfig, may_change: set[str]) -> None:
+    """Refuse a ``--resume`` whose settings outside ``may_change`` differ from the checkpoint's run."""
     changed = _changed_settings(state.get("config", {}), config, may_change)
     if changed:
         free = may_change - {"model", "recipe", "output_dir"}
         flags = ", ".join(sorted("--" + k.replace("_", "-") for k in free))
         raise ValueError(
-            f"--resume: these settings differ from the run in {out} ({', '.join(changed)}), so it would not "
-            f"continue the same run; drop those flags (a resumed run may change only {flags}), "
+            f"--resume: these settings differ from the run in {config.output_dir} ({', '.join(changed)}), so it "
+            f"would not continue the same run; drop those flags (a resumed run may change only {flags}), "
             "or train with them into another --output-dir"
         )
-    objective.load_state_dict(state["trainable"], strict=False)
 
 
 def _changed_settings(saved_config: dict, config: TrainConfig, free: set[str]) -> list[str]:
@@ -231,9 +236,7 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     precision = resolve_precision(config.precision, accelerator.device)
     model, tokenizer, model_path, fingerprint = _load_base(config, precision)
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
-    first_stage = config.init_adapter or config.init_lora or None
-    start_spec = dataclasses.replace(embedding_spec(first_stage), rotation="")  # a rotation fits its weights only
-    method = get_method(config.method)(config, Context(tokenizer, mask_id, start_spec))
+    method = get_method(config.method)(config, Context(tokenizer, mask_id, _start_spec(config)))
     examples = method.load_data()
     objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()
@@ -338,6 +341,22 @@ def _with_continued_init(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, init_adapter=str(inner)) if inner.is_dir() else config
 
 
+def _start_spec(config: TrainConfig) -> EmbeddingSpec:
+    """The embedding spec a run starts from: its first stage's (``--init-adapter`` / ``--init-lora``; the base's
+    without one), without a rotation (it fits its own weights only). A first stage gone from disk (a resumed or
+    continued run on another machine) is read from ``--continue-adapter``, trained from it; with none, an error:
+    the default spec would silently change the attention and pooling of a chain such as MNTP -> SimCSE."""
+    first = config.init_adapter or config.init_lora or None
+    if first and not Path(first).is_dir():
+        if not config.continue_adapter:
+            raise FileNotFoundError(
+                f"{first}, this run's first stage, does not exist: its embedding spec (attention, pooling) is the "
+                "run's starting point; restore the folder"
+            )
+        first = config.continue_adapter
+    return dataclasses.replace(embedding_spec(first), rotation="")
+
+
 def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
     """Load ``--continue-adapter``'s LoRA weights into the fresh LoRA of this run, after checking that the adapter
     was trained on this base with this configuration (the settings a ``--resume`` may not change, but for the
@@ -350,6 +369,14 @@ def _load_continued(config: TrainConfig, objective: torch.nn.Module, fingerprint
     if changed:
         raise ValueError(f"--continue-adapter {source}: these settings differ from its run ({', '.join(changed)})")
     _load_lora_weights(objective.llm, source, "--continue-adapter")
+    fresh = [n for n, p in objective.named_parameters() if p.requires_grad and not n.startswith("llm.")]
+    if fresh:  # UniMAE's MRC decoder, GEM's logit scale: the adapter keeps no copy of them
+        logger.warning(
+            "--continue-adapter restores the LoRA weights only: %d trainable tensors of the objective outside the "
+            "model (%s) start afresh, so the loss curve departs from the uninterrupted run's",
+            len(fresh),
+            ", ".join(fresh[:3]),
+        )
 
 
 def _load_init_lora(config: TrainConfig, objective: torch.nn.Module, fingerprint: str) -> None:
@@ -604,6 +631,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False) ->
     state = load_latest_checkpoint(out) if resume else None
     config = _with_continued_init(config) if state is None else config
     if state is not None and _finished(out, config, state["step"]):  # nothing left: no model to load
+        _check_resumed_settings(state, config, _RESUME_MAY_CHANGE)  # a changed flag is refused here too
         if config.merge and not config.full_params and not (out / "merged").is_dir():  # --merge asked only now
             save_merged(config.model, _adapter_dir(config), out / "merged")
         return TrainResult(out, _adapter_dir(config), state["step"], False, 0.0, already_finished=True)
