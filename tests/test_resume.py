@@ -256,3 +256,24 @@ def test_continuing_a_unimae_adapter_warns_that_its_mrc_decoder_starts_afresh(
         source = str(tmp_path / "a" / "adapter")
         train(short_train_config(tiny, corpus_file, tmp_path / "b", steps=3, continue_adapter=source))
     assert "restores the LoRA weights only" in caplog.text and "start afresh" in caplog.text
+
+
+def test_a_resumed_continued_run_records_what_its_source_held_when_it_started(tiny_model_dirs, corpus_file, tmp_path):
+    """Before: each sitting read --continue-adapter's folder again when it saved; the retrieval recipe replaces that
+    folder (a release) with a later step between sittings, so the adapter named the wrong start and its card counted
+    the steps in between twice."""
+    import shutil
+
+    from unimae.adapter import adapter_meta
+
+    tiny = tiny_model_dirs["llama"]
+    train(short_train_config(tiny, corpus_file, tmp_path / "a", steps=2))
+    train(short_train_config(tiny, corpus_file, tmp_path / "later", steps=3))
+    source = tmp_path / "a" / "adapter"
+    train(short_train_config(tiny, corpus_file, tmp_path / "b", steps=3, save_every=1, continue_adapter=str(source)))
+    shutil.rmtree(source)
+    shutil.copytree(tmp_path / "later" / "adapter", source)  # the folder now holds a 3-step adapter
+    train(short_train_config(tiny, corpus_file, tmp_path / "b", steps=4, save_every=1, continue_adapter=str(source)),
+          resume=True)  # fmt: skip
+    meta = adapter_meta(tmp_path / "b" / "adapter")
+    assert meta.trained_steps == 4 and meta.continued_from_step == 2

@@ -262,6 +262,7 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         "world_size": accelerator.num_processes,
         "grad_accum_steps": accum,
         "resolved_precision": precision,
+        "continued_from": _continued_facts(config, resumed=state is not None),
     }
     return _Run(
         config=config,
@@ -514,7 +515,7 @@ def _save_checkpoint(run: _Run, step: int) -> None:
 
 def _save_adapter(run: _Run, step: int) -> Path:
     """Write the adapter (or full model), its unimae.json and, with ``--merge``, a merged HF folder."""
-    config = run.config
+    config, continued = run.config, run.meta["continued_from"]
     adapter_dir = _adapter_dir(config)
     if not run.main:
         return adapter_dir
@@ -540,10 +541,10 @@ def _save_adapter(run: _Run, step: int) -> Path:
         mask_token=run.meta["mask_token"],
         method=config.method,
         init_adapter=INIT_ADAPTER if config.init_adapter else None,
-        init_lora_revision=_init_lora_revision(config),
+        init_lora_revision=continued["init_lora_revision"] if continued else _init_lora_revision(config),
         training_config=config.to_dict(),
-        continued_from_step=continued_step(config) if config.continue_adapter else None,
-        continued_from_training=_continued_training(config),
+        continued_from_step=continued["step"] if continued else None,
+        continued_from_training=TrainingTime.from_dict(continued["training"]) if continued else None,
     )
     with writing(adapter_dir, partial=partial):
         write_adapter_meta(partial, meta)
@@ -551,6 +552,25 @@ def _save_adapter(run: _Run, step: int) -> Path:
     if config.merge and not config.full_params:
         save_merged(config.model, adapter_dir, Path(config.output_dir) / "merged")
     return adapter_dir
+
+
+def _continued_facts(config: TrainConfig, resumed: bool) -> dict | None:
+    """What ``--continue-adapter``'s adapter held when this run started from it (its steps, their wall time, the
+    LoRA it started from): read at the first sitting and kept in run.json, which later sittings read back, since
+    the folder may hold another adapter by then (the retrieval recipe releases each better point into the
+    folder a fresh machine continues from). None without ``--continue-adapter``."""
+    if not config.continue_adapter:
+        return None
+    record = Path(config.output_dir) / "run.json"
+    kept = read_json(record, "run record").get("continued_from") if resumed and record.is_file() else None
+    if kept:
+        return kept
+    training = _continued_training(config)
+    return {
+        "step": continued_step(config),
+        "training": training.to_dict() if training else None,
+        "init_lora_revision": _init_lora_revision(config),
+    }
 
 
 def _continued_training(config: TrainConfig) -> TrainingTime | None:
