@@ -277,3 +277,15 @@ def test_a_resumed_continued_run_records_what_its_source_held_when_it_started(ti
           resume=True)  # fmt: skip
     meta = adapter_meta(tmp_path / "b" / "adapter")
     assert meta.trained_steps == 4 and meta.continued_from_step == 2
+
+
+def test_resume_refuses_training_data_that_changed_since_the_checkpoint(tiny_model_dirs, corpus_file, tmp_path):
+    """Before: an appended corpus line silently changed every later batch of the resumed run."""
+    tiny = tiny_model_dirs["llama"]
+    out = tmp_path / "run"
+    train(short_train_config(tiny, corpus_file, out, steps=2))
+    corpus_file.write_text(corpus_file.read_text() + "one more line of text\n")
+    with pytest.raises(ValueError, match=r"the training data changed since the checkpoint .* examples"):
+        train(short_train_config(tiny, corpus_file, out, steps=3), resume=True)
+    corpus_file.write_text(corpus_file.read_text().replace("one more line of text\n", ""))
+    assert train(short_train_config(tiny, corpus_file, out, steps=3), resume=True).steps == 3

@@ -42,6 +42,7 @@ from unimae.adapter import (
     trained_token_rows,
     write_adapter_meta,
 )
+from unimae.data.fingerprint import check_same_examples, examples_fingerprint
 from unimae.data.order import DataOrder
 from unimae.embedding.attention import set_attention_dropout
 from unimae.embedding.spec import EmbeddingSpec
@@ -238,6 +239,9 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
     mask_token, mask_id = choose_mask_token(tokenizer, config.mask_token)
     method = get_method(config.method)(config, Context(tokenizer, mask_id, _start_spec(config)))
     examples = method.load_data()
+    data = examples_fingerprint(examples)
+    if state is not None:
+        check_same_examples(state.get("data"), data, config.output_dir)
     objective = method.build_objective(_trainable_llm(config, method.prepare_model(model), method, precision))
     objective.train()
     if state is not None:
@@ -263,6 +267,7 @@ def _setup(config: TrainConfig, state: dict | None) -> _Run:
         "grad_accum_steps": accum,
         "resolved_precision": precision,
         "continued_from": _continued_facts(config, resumed=state is not None),
+        "data": data,
     }
     return _Run(
         config=config,
@@ -509,6 +514,7 @@ def _save_checkpoint(run: _Run, step: int) -> None:
             "fingerprint": run.fingerprint,
             "model": run.config.model,
             "config": run.config.to_dict(),
+            "data": run.meta["data"],
         }
         save_checkpoint(run.config.output_dir, step, state)
 
