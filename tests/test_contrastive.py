@@ -510,3 +510,19 @@ def test_a_continued_run_may_decay_its_learning_rate_over_the_new_steps(tiny_mod
     assert [r["lr"] for r in _log(tmp_path / "b")] == pytest.approx([5e-3, 2.5e-3]), "1 then 1/2 of --lr"
     with pytest.raises(ValueError, match="steps 4 -> 6"):  # resuming it with another length would bend the decay
         train(_config(tiny, data, tmp_path / "b", steps=6, continue_adapter=source, **decay), resume=True)
+
+
+def test_options_nothing_reads_are_warned(caplog):
+    from unimae.training.config import TrainConfig
+
+    config = TrainConfig.from_dict(
+        {"method": "contrastive", "lm_texts": 4, "query_prompt_dropout": 0.5, "lr_decay_from": 3, "steps": 10}
+    )
+    with caplog.at_level("WARNING"):
+        config.validate()
+    for option in ("--lm-texts (without --lm-weight)", "--query-prompt-dropout", "--lr-decay-from (with"):
+        assert option in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        TrainConfig.from_dict({"method": "contrastive", "lm_texts": 4, "lm_weight": 0.1}).validate()
+    assert "does nothing" not in caplog.text

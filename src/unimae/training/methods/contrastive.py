@@ -173,6 +173,18 @@ class ContrastiveOptions(InfoNCEOptions):
             raise ValueError(f"--query-prompt-dropout must be in [0, 1], got {self.query_prompt_dropout}")
         self._check_schedule(config)
         self._check_grad_cache(config, world_size)
+        self._warn_unused()
+
+    def _warn_unused(self) -> None:
+        """A warning for each option set where nothing reads it (the run goes on without it)."""
+        unused = {
+            "--lm-texts (without --lm-weight)": self.lm_texts and not self.lm_weight,
+            "--query-prompt-dropout (without --query-prompt)": self.query_prompt_dropout and not self.query_prompt,
+            "--lr-decay-from (with --lr-schedule constant)": self.lr_decay_from and self.lr_schedule == "constant",
+        }
+        for option, ignored in unused.items():
+            if ignored:
+                logger.warning("%s does nothing in this run", option)
 
     def _check_schedule(self, config: TrainConfig) -> None:
         if self.lr_decay_from < 0:
