@@ -43,11 +43,15 @@ def test_index_resumes_and_redoes_a_damaged_shard(encoder, tmp_path, monkeypatch
     reference = np.load(shards[1])
     shards[1].write_bytes(b"not a numpy file")
     shards[2].unlink()
+    stale = [tmp_path / "idx" / ".index.faiss.tmp4242", tmp_path / "idx" / "shards" / ".00000008.npy.tmp4242"]
+    for path in stale:  # what a build killed mid-write leaves (a vectors file's as large as the index)
+        path.write_bytes(b"partial")
     calls = []
     original = encoder.encode
     monkeypatch.setattr(encoder, "encode", lambda texts, **kw: calls.append(len(texts)) or original(texts, **kw))
     VectorIndex.build(encoder, PASSAGES, tmp_path / "idx", config)
     assert calls == [4, 4], "only the damaged and the missing shard are embedded again"
+    assert not any(path.exists() for path in stale)
     np.testing.assert_allclose(np.load(shards[1]), reference, atol=1e-6)
 
 

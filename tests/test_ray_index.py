@@ -187,3 +187,18 @@ def test_a_worker_that_cannot_start_ends_the_job_with_one_clear_error(local_ray,
     load = EncoderLoad(tiny_llama, max_length=64, precision="fp32")
     with pytest.raises(VectorIndexError, match=r"the Ray job failed \(RuntimeError: this worker's encoder embeds as"):
         build_on_ray(load, CORPUS[:20], tmp_path / "idx", IndexConfig(shard_size=5), ray_config=RayConfig(workers=2))
+
+
+def test_gpus_the_cluster_lacks_are_an_error_on_a_local_ray_and_a_warning_on_a_cluster(caplog):
+    """Before: a local Ray asked for GPUs it does not have waited forever for them."""
+    from types import SimpleNamespace
+
+    from unimae.retrieval.ray_index import check_resources
+
+    cpu_only = SimpleNamespace(cluster_resources=lambda: {"CPU": 2.0})
+    with pytest.raises(VectorIndexError, match="has 0 GPUs.*--num-gpus-per-worker 0"):
+        check_resources(cpu_only, RayConfig(num_gpus_per_worker=1), local=True)
+    with caplog.at_level("WARNING"):
+        check_resources(cpu_only, RayConfig(num_gpus_per_worker=1), local=False)  # an autoscaler may add them
+        check_resources(cpu_only, RayConfig(), local=True)
+    assert caplog.text.count("waits until nodes with GPUs join") == 1

@@ -65,6 +65,7 @@ from unimae.retrieval.index import (
     finished_manifest,
     index_manifest,
     remove_stale_files,
+    remove_stale_temporaries,
     search_queries,
     write_shard,
 )
@@ -202,6 +203,7 @@ class DiskIndex:
         manifest = _manifest(encoder, passages, config, source)
         manifest_path = directory / "manifest.json"
         _check_resumable(manifest_path, manifest, config, overwrite, shards)
+        remove_stale_temporaries(directory, shards)
         atomic_write_json(manifest_path, manifest)
         _write_passages(directory, passages)
         starts = _embed_missing_shards(encoder, passages, shards, config, manifest["dim"])

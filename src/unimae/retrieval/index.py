@@ -337,6 +337,7 @@ class VectorIndex:
         manifest = index_manifest(encoder, passages, config, source)
         manifest_path = directory / "manifest.json"
         _check_resumable(manifest_path, manifest, config, overwrite, shards)
+        remove_stale_temporaries(directory, shards)
         atomic_write_json(manifest_path, manifest)
         atomic_write_text(
             directory / "passages.jsonl",
@@ -482,6 +483,16 @@ def _read_passages(path: Path) -> list[tuple[str, str]]:
 
 def _shard_path(shards: Path, start: int) -> Path:
     return shards / f"{start:08d}.npy"
+
+
+def remove_stale_temporaries(*folders: Path) -> None:
+    """Delete the hidden temporary files (``.NAME.tmpPID``, :func:`unimae.files.atomic_write`) that a build killed
+    mid-write left in ``folders``: a vectors file's may be as large as the index (one build writes a folder at a
+    time)."""
+    for folder in folders:
+        for stale in folder.glob(".*.tmp*"):
+            if stale.is_file():
+                stale.unlink(missing_ok=True)
 
 
 def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, overwrite: bool, shards: Path) -> None:

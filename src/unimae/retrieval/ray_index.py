@@ -217,6 +217,7 @@ def ray_session(ray, ray_config: RayConfig) -> Iterator[None]:
     """Join ``ray_config.address`` (else ``$RAY_ADDRESS``), or start a new local Ray sized for the workers; one
     already initialised in this process (by the caller) is used as it is and left running."""
     if ray.is_initialized():
+        check_resources(ray, ray_config, local=False)
         yield
         return
     address = ray_config.address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
@@ -226,9 +227,22 @@ def ray_session(ray, ray_config: RayConfig) -> Iterator[None]:
         cpus = math.ceil(ray_config.workers * ray_config.num_cpus_per_worker)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=ray_config.runtime_env)
     try:
+        check_resources(ray, ray_config, local=not address)
         yield
     finally:
         ray.shutdown()
+
+
+def check_resources(ray, ray_config: RayConfig, local: bool) -> None:
+    """GPUs per worker that the Ray cluster does not have: an error on a local Ray (it would wait forever for
+    them), a warning on a cluster (an autoscaler may add nodes; Ray waits until then)."""
+    need, have = ray_config.num_gpus_per_worker, ray.cluster_resources().get("GPU", 0)
+    if need <= have:
+        return
+    message = f"--num-gpus-per-worker {need:g}: the Ray cluster has {have:g} GPUs"
+    if local:
+        raise VectorIndexError(f"{message} (a local Ray sees this machine's); pass --num-gpus-per-worker 0")
+    logger.warning("%s; the job waits until nodes with GPUs join", message)
 
 
 def worker_facts(ray, load: EncoderLoad, ray_config: RayConfig) -> dict:
