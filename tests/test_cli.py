@@ -309,6 +309,11 @@ def test_export_passes_its_options(monkeypatch, tmp_path, capsys):
     assert main([*argv, "--output", str(tmp_path / "st"), "--max-length", "128"]) == 0
     assert calls == [(("m", "a", str(tmp_path / "st")), {"fmt": "sentence-transformers", "max_length": 128})]
     assert f"wrote sentence-transformers export to {tmp_path / 'st'}" in capsys.readouterr().out
+    assert main(["export", "--model", "m", "--output", str(tmp_path / "hf"), "--type", "q8_0"]) == 2  # was ignored
+    assert "--type does nothing for --format hf" in capsys.readouterr().err
+    assert main(["export", "--model", "m", "--format", "gguf", "--output", "x.gguf", "--max-length", "64"]) == 2
+    assert "--max-length does nothing for --format gguf" in capsys.readouterr().err
+    assert len(calls) == 1
 
 
 def test_every_help_page_renders(capsys):

@@ -419,6 +419,9 @@ def test_cli_export_gguf_lora(merged_tiny, tmp_path, capsys):
     assert main([*command, "--adapter", adapter, "--type", "q8_0"]) == 2
     assert "unknown GGUF LoRA type 'q8_0'" in capsys.readouterr().err
     assert main([*command, "--adapter", adapter]) == 2 and "exists" in capsys.readouterr().err
+    # before: a KeyError traceback from the missing embedding_length of an adapter GGUF
+    assert main(["serve", "--engine", "llama.cpp", "--gguf", str(out)]) == 2
+    assert "is not a model GGUF (a LoRA adapter GGUF" in capsys.readouterr().err
 
 
 @pytest.mark.integration
@@ -568,6 +571,11 @@ def test_cli_serve_llamacpp_needs_a_gguf(capsys):
 
     assert main(["serve", "--engine", "llama.cpp"]) == 2
     assert "--gguf FILE" in capsys.readouterr().err
+    # before: the torch engine ignored --gguf and served the default base model instead
+    assert main(["serve", "--gguf", "model.gguf"]) == 2
+    assert "are for --engine llama.cpp" in capsys.readouterr().err
+    assert main(["serve", "--engine", "llama.cpp", "--gguf", "model.gguf", "--precision", "bf16"]) == 2
+    assert "--precision are for --engine torch" in capsys.readouterr().err
 
 
 @pytest.mark.integration

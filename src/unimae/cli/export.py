@@ -28,20 +28,24 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output", required=True, help="A new (or empty) directory; a new FILE.gguf for gguf*.")
     parser.add_argument(
-        "--max-length", type=int, default=512, help="max_seq_length of the sentence-transformers export."
+        "--max-length", type=int, help="max_seq_length of the sentence-transformers export (default: 512)."
     )
     parser.add_argument(
         "--type",
-        default="f16",
         choices=GGUF_TYPES,
-        help="Weight type of the gguf export (1-D tensors stay f32); f32 or f16 for gguf-lora.",
+        help="Weight type of the gguf export (1-D tensors stay f32); f32 or f16 for gguf-lora (default: f16).",
     )
 
 
 def _export(args: argparse.Namespace) -> int:
     from unimae.export import export
 
-    options = {"gguf_type": args.type} if args.format.startswith("gguf") else {}
+    gguf, st = args.format.startswith("gguf"), args.format == "sentence-transformers"
+    for flag, value, used in (("--type", args.type, gguf), ("--max-length", args.max_length, st)):
+        if value is not None and not used:
+            raise ValueError(f"{flag} does nothing for --format {args.format}")
+    args.type, args.max_length = args.type or "f16", args.max_length or 512
+    options = {"gguf_type": args.type} if gguf else {}
     out = export(args.model, args.adapter, args.output, fmt=args.format, max_length=args.max_length, **options)
     if args.format == "gguf-lora":
         print(f"wrote gguf-lora ({args.type}) adapter to {out}; load it on a GGUF of {args.model}: --lora {out}")

@@ -45,7 +45,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads", type=int, help="llama.cpp engine: CPU threads (default: all cores; fewer on a shared machine)."
     )
-    parser.add_argument("--slots", type=int, default=4, help="llama.cpp engine: requests decoded together.")
+    parser.add_argument("--slots", type=int, help="llama.cpp engine: requests decoded together (default: 4).")
     parser.add_argument("--index", help="Also serve POST /v1/rag over this index (its model and adapter).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
@@ -72,6 +72,10 @@ def _serve(args: argparse.Namespace) -> int:
     memory.limit_arenas(2)  # before the threads that would make the arenas: the model's, the workers'
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     values["api_key"] = check_api_key(resolve_api_key(args.api_key, args.api_key_file))  # before the model loads
+    if args.engine == "torch" and (args.gguf or args.threads is not None or args.slots is not None):
+        raise ValueError(
+            "--gguf, --threads and --slots are for --engine llama.cpp: serve a GGUF with --engine llama.cpp --gguf FILE"
+        )
     if args.engine == "llama.cpp":
         app, config = _llamacpp_app(args, values)
     else:
@@ -104,17 +108,17 @@ def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
 
     if not args.gguf:
         raise ValueError("--engine llama.cpp serves --gguf FILE; write one with `unimae export --format gguf`")
-    if args.model or args.adapter or args.merge or args.device != "auto":
+    if args.model or args.adapter or args.merge or args.device != "auto" or args.precision != "auto":
         raise ValueError(
-            "--model, --adapter, --merge and --device are for --engine torch; the GGUF already holds the merge "
-            "(llama.cpp runs it on the CPU)"
+            "--model, --adapter, --merge, --device and --precision are for --engine torch; the GGUF already holds "
+            "the merge and its weight type (llama.cpp runs it on the CPU)"
         )
     index = None
     if args.index:
         from unimae.retrieval.disk_index import open_index
 
         index = open_index(args.index)
-    model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots)
+    model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots or 4)
     if values["model_name"] == ServerConfig.model_name:  # not given: the model it was exported from
         values["model_name"] = model.name
     config = ServerConfig(**values)

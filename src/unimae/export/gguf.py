@@ -184,7 +184,7 @@ def unimae_keys(tokenizer, spec: EmbeddingSpec, extra: dict[str, str]) -> list[t
     text = GGUFValueType.STRING
     rule = (
         "append the EOS token after truncation; the embedding is the last-layer state at that EOS "
-        "(llama.cpp pooling 'last'). Send text + eos_token (special tokens are parsed) or token ids."
+        "(llama.cpp pooling 'last'). Send text.strip() + eos_token (special tokens are parsed) or token ids."
     )
     keys = [
         ("embedding.attention", spec.attention, text),

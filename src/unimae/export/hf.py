@@ -25,7 +25,8 @@ def _usage(spec: EmbeddingSpec, fmt: str) -> str:
             "last token. The tokenizer's EOS token is appended **after** truncation and the embedding is the "
             "last-layer hidden state at that EOS (UniMAE's `h_eos`). In the sentence-transformers export the "
             "tokenizer appends EOS itself; with plain transformers, append `tokenizer.eos_token_id` to the ids "
-            "yourself and read the hidden state at the last real token (mind left padding)."
+            "yourself and read the hidden state at the last real token (mind left padding). unimae embeds each "
+            "text without its outer whitespace (`text.strip()`): strip texts before encoding here too."
         )
     note = (
         "" if fmt == "sentence-transformers" else " Plain transformers runs causal attention: apply the rule yourself."
@@ -77,7 +78,9 @@ def _prompt_lines(spec: EmbeddingSpec) -> str:
         lines.append(
             f"- **Matryoshka dimensions:** {dims} and any other k, after a PCA rotation (sentence-transformers: its "
             "Dense module rotates, `truncate_dim=k` keeps the first k; elsewhere multiply by the first k rows of "
-            "the rotation, `Encoder.rotation` in unimae, then re-normalise)"
+            "the rotation, `Encoder.rotation` in unimae, then re-normalise). Its full-size vectors are thus the "
+            "rotation of unimae's: the same cosines among themselves, but do not mix them with vectors unimae "
+            "wrote (an index built by `unimae index`)"
         )
     elif spec.matryoshka_dims:
         dims = ", ".join(map(str, spec.matryoshka_dims))

@@ -97,7 +97,12 @@ class LlamaCppModel:
         if max_length < 2 or max_length > context:
             raise ValueError(f"max_length must be in [2, context={context}], got {max_length}")
         self.metadata = gguf_metadata(self.path)
-        arch = self.metadata["general.architecture"]
+        arch = self.metadata.get("general.architecture")
+        if self.metadata.get("general.type") == "adapter" or f"{arch}.embedding_length" not in self.metadata:
+            raise ValueError(
+                f"{self.path} is not a model GGUF (a LoRA adapter GGUF, or no {arch}.embedding_length): serve the "
+                "merged model (`unimae export --format gguf`), or the adapter on its base in llama-server --lora"
+            )
         if f"{KEY_PREFIX}embedding.pooling" not in self.metadata:
             logger.warning("%s was not written by `unimae export --format gguf`; assuming the EOS rule", self.path)
         self.tokenizer = gguf_tokenizer(self.path)
@@ -179,6 +184,15 @@ def check_index(model: LlamaCppModel, index: VectorIndex) -> None:
             "cannot compute: serve it with --engine torch, or index at the full size"
         )
     built, exported = manifest.get("adapter_revision", "base"), meta.get(f"{KEY_PREFIX}adapter_revision")
+    base = meta.get(f"{KEY_PREFIX}base_model")
+    if exported is None or base is None or base != manifest.get("model"):
+        logger.warning(
+            "cannot check that %s embeds as the index was built (GGUF base model %s, index model %s): queries "
+            "embedded by another model do not match its passages (fine only if both name the same weights)",
+            model.path,
+            base or "not recorded",
+            manifest.get("model"),
+        )
     if exported is not None and built != exported:
         raise ValueError(
             f"the index was built with adapter revision {built} but {model.path} was exported from revision "
