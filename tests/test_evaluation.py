@@ -321,6 +321,9 @@ def test_a_label_evaluated_for_another_model_sets_the_old_results_aside(tiny_enc
     assert "STS17" in run("second", "STS17").runtimes  # evaluated for the new model
     record = json.loads((folder / "run.json").read_text())
     assert record["model"] == "second" and set(record["tasks"]) == {"STSBenchmark", "STS17"}
+    (folder / "run.json").unlink()  # task results no run.json names: set aside, not claimed by the next run
+    run("third", "STSBenchmark")
+    assert not (folder / "STS17.json").exists() and len(list(folder.glob("superseded-*"))) == 2
 
 
 def test_an_adapter_is_known_by_its_content_not_its_path():
@@ -333,6 +336,9 @@ def test_an_adapter_is_known_by_its_content_not_its_path():
     assert not same_run({**meta, "data_dir": None}, meta)  # local files and the Hub's are other data
     base = {**meta, "adapter": None, "revision": "base"}
     assert not same_run({**base, "adapter": "a"}, base)
+    # before: a --dimensions 256 record passed for a full-size run's (only the new run's keys were compared)
+    assert not same_run({**meta, "dimensions": 256, "rotation": None}, meta)
+    assert same_run({**meta, "dimensions": 256}, {**meta, "dimensions": 256})
 
 
 def test_a_model_folder_changes_revision_when_its_weights_are_rewritten(tmp_path):
@@ -523,9 +529,9 @@ def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp
     """Each task's result is kept with what it was run on: the same model skips it, another limit redoes it."""
     from unimae.evaluation import generation
 
-    def run(tasks, limit):
+    def run(tasks, limit, data=SHARED_DATA):
         return generation.evaluate_generation(
-            str(uniform_lm_dir), None, tmp_path, SHARED_DATA, tasks=tasks, limit=limit, max_length=128, precision="fp32"
+            str(uniform_lm_dir), None, tmp_path, data, tasks=tasks, limit=limit, max_length=128, precision="fp32"
         )
 
     first = run(["piqa"], 2)
@@ -551,6 +557,9 @@ def test_a_generation_suite_resumes_after_its_finished_tasks(uniform_lm_dir, tmp
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as if retrained into the same folder
     run(["piqa"], 3)
     assert ran == ["arc_easy", "piqa", "piqa"]
+    (tmp_path / "other-data").symlink_to(Path(SHARED_DATA).resolve())
+    run(["piqa"], 3, tmp_path / "other-data")  # another data folder: its task files may differ
+    assert ran == ["arc_easy", "piqa", "piqa", "piqa"]
 
 
 @needs_data

@@ -195,7 +195,8 @@ def evaluate_model_on_tasks(
     previous = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     meta = {**meta, "data_dir": str(data_dir) if data_dir else None}  # local files and the Hub's differ
     same_model = bool(previous) and same_run(previous, meta)
-    if previous and not same_model:
+    unrecorded = not previous and any(out.glob("*.json"))  # results no run.json names: of an unknown model
+    if (previous and not same_model) or unrecorded:
         set_aside_other_model(out)
         previous = {}
     for name in expand_tasks(tasks):
@@ -252,12 +253,17 @@ def _record_task_error(name: str, err: Exception, data_dir: Path | None, result_
     return message
 
 
+WRITTEN_WHEN_SET = ("dimensions", "rotation")  # run.json keys of a run's identity that a plain run leaves out
+
+
 def same_run(previous: dict, meta: dict, defaults: dict | None = None) -> bool:
     """Whether a record (``run.json``, a generation task's) was written for the model of ``meta``: every key
     equal, except that an adapter is known by its content hash (``revision``), not the path it was given by.
     ``defaults``: the value of a key in records written before that key existed."""
     defaults = {"attention": "causal"} if defaults is None else defaults
     ignored = {"adapter"} if meta.get("revision", "base") != "base" else set()
+    if any(previous.get(k) is not None and k not in meta for k in WRITTEN_WHEN_SET):
+        return False  # e.g. a --dimensions 256 record is not a full-size run's
     return all(previous.get(k, defaults.get(k)) == v for k, v in meta.items() if k not in ignored)
 
 

@@ -175,6 +175,7 @@ def evaluate_generation(
         "max_length": max_length,
         "precision": resolved,
         "scorer": scorer,
+        "data_dir": str(data_dir) if data_dir else None,  # the task files the local tasks read
     }
     done = {} if rerun else finished_tasks(output_dir / "tasks", tasks, meta)
     todo = [t for t in tasks if t not in done]
@@ -197,13 +198,15 @@ def finished_tasks(folder: Path, tasks: list[str], meta: dict) -> dict[str, dict
 
     As for embeddings (:func:`~unimae.evaluation.embeddings.same_run`), an adapter is matched by its content
     hash, not its path (``runs/a/adapter`` and ``./runs/a/adapter/`` are one run). Records written before
-    ``model_revision`` existed were all run on registry names or Hub ids, whose revision is None."""
+    ``model_revision`` existed were all run on registry names or Hub ids, whose revision is None; those written
+    before ``data_dir`` existed count as of the data given now."""
     records = {}
     for task in tasks:
         path = folder / f"{task}.json"
         if path.is_file():
             record = read_json(path, "generation task record")
-            if same_run(record.get("meta", {}), meta, defaults={"model_revision": None}):
+            defaults = {"model_revision": None, "data_dir": meta.get("data_dir")}  # records before data_dir
+            if same_run(record.get("meta", {}), meta, defaults=defaults):
                 records[task] = record
     if records:
         logger.info("generation: %s already evaluated for this model; pass --rerun to redo", sorted(records))
