@@ -175,6 +175,9 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
         )
     ]
     assert "FAILED SciFact: no folder" in capsys.readouterr().err
+    reference = ["evaluate", "embeddings", "--reference", "--tasks", "STS17", "--output-dir", str(tmp_path)]
+    assert main([*reference, "--dimensions", "64", "--pooling", "eos"]) == 2  # before: dropped without a word
+    assert "--dimensions, --pooling do not apply" in capsys.readouterr().err
 
 
 def test_evaluate_embeddings_refuses_unknown_task_names_before_any_work(monkeypatch, tmp_path, capsys):

@@ -176,6 +176,15 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
     if args.reference:
         from unimae.evaluation.reference import MINILM_LABEL, load_minilm
 
+        given = {"--adapter": args.adapter, "--dimensions": args.dimensions, "--attention": args.attention}
+        given["--pooling"] = args.pooling != "auto"
+        ignored = [flag for flag, value in given.items() if value]
+        if ignored:  # before: dropped without a word
+            raise ValueError(
+                f"--reference scores all-MiniLM-L6-v2 as published (mean pooling, its own max_seq_length 256): "
+                f"{', '.join(ignored)} do not apply to it"
+            )
+
         info = {"model": MINILM_LABEL}
         label = args.label or MINILM_LABEL
         run = evaluate_model_on_tasks(
