@@ -274,7 +274,12 @@ def test_a_card_of_a_release_made_again_accepts_results_of_its_bf16_weights(adap
     dev = tmp_path / "dev"
     _task_result(dev, "STS17")
     (dev / "run.json").write_text(json.dumps({"revision": adapter_revision(str(out))}))
-    assert "STS17" in build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), release_revisions(out))
+    card = build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), release_revisions(out))
+    assert "STS17" in card and "Scored on the bf16 weights shipped here" in card
+    (dev / "run.json").write_text(json.dumps({"revision": source_revision(adapter)}))
+    card = build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), release_revisions(out))
+    assert f"Scored on the fp32 adapter this release was made from (revision {source_revision(adapter)})" in card
+    (dev / "run.json").write_text(json.dumps({"revision": adapter_revision(str(out))}))
     with pytest.raises(ValueError, match="not of the adapter released"):
         build_card(CardInputs("tiny-retriever", tmp_path, dev), adapter_meta(out), source_revision(adapter))
 

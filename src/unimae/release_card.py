@@ -240,6 +240,7 @@ def _results(inputs: CardInputs, tasks: dict[str, dict], revision: Revision) -> 
     if not tasks:
         return "## Results\n\nNot evaluated yet.\n"
     parts.append(_dev_table(inputs, list(tasks)))
+    parts.append(_scored_weights_line(inputs, revision))
     for path in inputs.extra_tables:
         if Path(path).is_file():
             parts.append(_summary_json_table(Path(path), caption=True))
@@ -305,6 +306,20 @@ def _own(path: Path | None, revision: Revision) -> dict | None:
         return None
     data = read_json(path, "result file")
     return data if accepts(revision, data.get("revision")) else None
+
+
+def _scored_weights_line(inputs: CardInputs, revision: Revision) -> str:
+    """Which weights the dev table scored: the bf16 ones shipped here (the last of a release's revisions) or the
+    fp32 adapter the release was made from; '' where no revision is known."""
+    scored = _run_record(inputs.dev_results).get("revision")
+    if not isinstance(revision, tuple) or not scored:
+        return ""
+    if len(revision) > 1 and scored == revision[-1]:
+        return f"Scored on the bf16 weights shipped here (revision {scored}).\n"
+    return (
+        f"Scored on the fp32 adapter this release was made from (revision {scored}); the weights shipped here are "
+        "its LoRA weights rounded to bf16.\n"
+    )
 
 
 def _generation_lines(inputs: CardInputs, revision: Revision) -> str:
