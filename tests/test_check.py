@@ -2,6 +2,7 @@
 tiny model, and a slice of the real STSBenchmark data (skips without ../shared/data)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,12 +118,19 @@ def test_sts_spearman_on_a_slice_matches_an_independent_computation(tiny_model_d
     assert sts_spearman(enc, s1, s2, -gold) == pytest.approx(-score, abs=1e-3)
 
 
-@needs_data
-def test_find_data_dir_locates_shared_data(monkeypatch):
+def test_find_data_dir_takes_unimae_data_then_a_shared_data_folder_beside(monkeypatch, tmp_path):
+    import unimae.files
     from unimae.evaluation.check import find_data_dir
 
-    monkeypatch.setenv("UNIMAE_DATA", str(SHARED_DATA))
-    assert find_data_dir() == SHARED_DATA
+    (tmp_path / "mine").mkdir()
+    monkeypatch.setenv("UNIMAE_DATA", str(tmp_path / "mine"))
+    assert find_data_dir() == tmp_path / "mine"
+    monkeypatch.delenv("UNIMAE_DATA")
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "proj")
+    beside_source = Path(unimae.files.__file__).resolve().parents[3] / "shared" / "data"  # a checkout's first
+    assert find_data_dir() == (beside_source if beside_source.is_dir() else tmp_path / "shared" / "data")
 
 
 def test_malformed_sts_file_names_the_line(tmp_path):

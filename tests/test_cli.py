@@ -351,7 +351,10 @@ def test_embed_gives_one_row_per_input_line_and_int8_codes_scaled_by_a_calibrati
     capsys.readouterr()
     assert main([*base, "--quantize", "int8", "--calibration", str(calibration), "two"]) == 0
     codes = json.loads(capsys.readouterr().out)
-    assert len(codes) == 64 and all(-128 <= c <= 127 for c in codes)
+    from unimae.encoder import Encoder
+
+    encoder = Encoder.from_pretrained(tiny, precision="fp32")
+    assert codes == encoder.encode("two", precision="int8", calibration_embeddings=rows).tolist()
     assert main([*base, "--quantize", "int8", "two"]) == 2  # one vector: its own ranges say nothing
     assert "needs per-dimension ranges" in capsys.readouterr().err
     assert main([*base, "--calibration", str(calibration), "two"]) == 2

@@ -464,11 +464,12 @@ def _serving(tiny_model_dirs, monkeypatch, *flags: str) -> Iterator[int]:
     assert not thread.is_alive()
 
 
-def _closed_after(conn) -> float:
-    """Seconds until the server closes ``conn``, on which it must send nothing (blocks until then)."""
-    idle_from = time.monotonic()
+def _closed_after(conn, since: float) -> float:
+    """Seconds from ``since`` until the server closes ``conn``, on which it must send nothing more (blocks until
+    then). ``since`` is read before the client acts that starts the server's timer, so the lower bounds on it hold
+    however late this thread runs."""
     assert conn.recv(1) == b"", "the server sent something on an idle connection"
-    return time.monotonic() - idle_from
+    return time.monotonic() - since
 
 
 def test_keep_alive_reuses_a_connection_within_the_timeout_and_closes_it_after(tiny_model_dirs, monkeypatch):
@@ -482,9 +483,10 @@ def test_keep_alive_reuses_a_connection_within_the_timeout_and_closes_it_after(t
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as conn:
             conn.sendall(request)
             assert _read_response(conn)[0] == 200
+            since = time.monotonic()  # before the request whose response starts the keep-alive timer
             conn.sendall(request)  # at once: well within the timeout
             assert _read_response(conn)[0] == 200  # answered on the same connection
-            idle = _closed_after(conn)  # blocks until it closes
+            idle = _closed_after(conn, since)  # blocks until it closes
         assert keep_alive - 0.1 <= idle < WAIT, idle
 
 
@@ -502,10 +504,11 @@ def test_headers_that_never_come_or_trickle_in_are_cut_off_at_the_header_timeout
         caplog.at_level(logging.INFO),
         _serving(tiny_model_dirs, monkeypatch, "--header-timeout-s", str(timeout)) as port,
     ):
+        since = time.monotonic()  # before the connection whose opening starts the header timer
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as silent:
-            idle = _closed_after(silent)
+            idle = _closed_after(silent, since)
+        opened = time.monotonic()
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as slow:
-            opened = time.monotonic()
             slow.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())
             while not select.select([slow], [], [], 0.2)[0]:  # one more header line until the server answers
                 assert time.monotonic() - opened < WAIT, "the server held a connection that kept sending headers"
@@ -534,7 +537,8 @@ def test_the_header_timeout_spares_requests_whose_headers_came_and_idle_keep_ali
             status, body = _read_response(conn)
         assert status == 408 and b"request body did not arrive within 2 s" in body, body
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as conn:
+            since = time.monotonic()
             conn.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
             assert _read_response(conn)[0] == 200
-            idle = _closed_after(conn)
+            idle = _closed_after(conn, since)
     assert 3 - 0.1 <= idle < WAIT, idle

@@ -63,11 +63,13 @@ def test_real_model_embeddings_batch_and_padding_invariant(smollm2_encoder):
     ]
     ref = np.stack([smollm2_encoder.encode([t])[0] for t in texts])
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
-    for side in ("left", "right"):
-        smollm2_encoder.padding_side = side
-        got = smollm2_encoder.encode(texts, batch_size=3, normalize=True)
-        assert (got * ref).sum(1).min() >= 0.999, side
-    smollm2_encoder.padding_side = "right"
+    try:
+        for side in ("left", "right"):
+            smollm2_encoder.padding_side = side
+            got = smollm2_encoder.encode(texts, batch_size=3, normalize=True)
+            assert (got * ref).sum(1).min() >= 0.999, side
+    finally:  # the session's encoder, shared with the later tests
+        smollm2_encoder.padding_side = "right"
 
 
 def test_real_model_generates_sensible_text(smollm2_encoder):

@@ -105,7 +105,8 @@ def test_the_server_and_a_rag_index_use_the_rotation_and_full_size_indexes_ignor
     np.testing.assert_allclose(vectors, enc.encode(texts, dimensions=4, normalize=True), atol=1e-5)
     assert odd.status_code == 200  # with a rotation every k is a principal prefix
     full = VectorIndex.build(before, PASSAGES, tmp_path / "full", IndexConfig())  # built before the rotation
-    assert RAG(enc, full).retrieve("where did the cat sit", k=1)
+    query = "where did the cat sit"  # a full-size index: the rotation plays no part (z, not R z)
+    assert [h.id for h in RAG(enc, full).retrieve(query, k=3)] == [h.id for h in RAG(before, full).retrieve(query, k=3)]
     prefix = VectorIndex.build(enc, PASSAGES, tmp_path / "d4", IndexConfig(dimensions=4))
     assert prefix.spec.rotation == enc.spec.rotation
     with pytest.raises(ValueError, match="the index was built with"):

@@ -28,7 +28,7 @@ from conftest import SENTENCES
 from unimae.encoder import Encoder
 from unimae.retrieval.index import VectorIndex
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai", reason="the OpenAI client tests need pip install openai (unimae[dev])")
 KEY = "test-key"
 GATE = "<extra_2>"  # a special token of the tiny tokenizer: one token wherever it is in a text
 LONG = " ".join(SENTENCES)  # 237 tokens: truncated to the index's max_length of 64

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import SENTENCES, RecordingTokenizer
+from conftest import REQUIRE_EXTRAS, SENTENCES, RecordingTokenizer
 
 from unimae.embedding.tokenization import char_budget
 from unimae.encoder import Encoder
@@ -38,7 +38,8 @@ def tiny_sources(tiny_model_dirs, tmp_path_factory):
     try:
         import xllamacpp  # noqa: F401
     except ImportError:
-        pass
+        if REQUIRE_EXTRAS:
+            raise
     else:
         from unimae.export import export
 
