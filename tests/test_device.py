@@ -85,7 +85,7 @@ def test_embed_on_the_cpu_device_gives_the_default_path_s_vectors(tiny_model_dir
 def test_serve_with_llamacpp_refuses_a_device(capsys):
     pytest.importorskip("uvicorn", reason="the server needs pip install 'unimae[serve]'")
     assert main(["serve", "--engine", "llama.cpp", "--gguf", "m.gguf", "--device", "cuda"]) == 2
-    assert "--device are for --engine torch" in capsys.readouterr().err
+    assert "--device and --precision are for --engine torch" in capsys.readouterr().err
 
 
 def test_gpu_check_runs_and_writes_its_json(tmp_path):
