@@ -91,13 +91,14 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
     return [record[field] for _, record in jsonl_records(path, field)]
 
 
-def jsonl_records(path: Path, field: str):
-    """Yield (line number, record) for each non-empty line; each record must have a string ``field``."""
-    for number, _start, _end, record in jsonl_records_at(path, field):
+def jsonl_records(path: Path, field: str, text_fields: tuple[str, ...] = ()):
+    """Yield (line number, record) for each non-empty line; each record must have a string ``field``, and
+    ``text_fields`` that it has must hold text too (no lone surrogate)."""
+    for number, _start, _end, record in jsonl_records_at(path, field, text_fields):
         yield number, record
 
 
-def jsonl_records_at(path: Path, field: str):
+def jsonl_records_at(path: Path, field: str, text_fields: tuple[str, ...] = ()):
     """:func:`jsonl_records` with where each line is: (line number, start byte, end byte, record)."""
     for number, start, end, line in _lines_at(path):
         if not line.strip():
@@ -108,10 +109,13 @@ def jsonl_records_at(path: Path, field: str):
             raise CorpusError(f"{path}, line {number}: not valid JSON ({err.msg})") from err
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise CorpusError(f"{path}, line {number}: expected an object with a string {field!r} field")
-        try:
-            record[field].encode("utf-8")
-        except UnicodeEncodeError as err:  # a JSON \\ud800 escape: not text
-            raise CorpusError(f"{path}, line {number}: {field!r} holds a lone surrogate ({err.reason})") from err
+        for name in (field, *text_fields):
+            try:
+                value = record.get(name)
+                if isinstance(value, str):
+                    value.encode("utf-8")
+            except UnicodeEncodeError as err:  # a JSON \\ud800 escape: not text
+                raise CorpusError(f"{path}, line {number}: {name!r} holds a lone surrogate ({err.reason})") from err
         yield number, start, end, record
 
 

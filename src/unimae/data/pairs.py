@@ -46,18 +46,14 @@ def load_pairs(path: str | Path) -> list[dict]:
             f"mixture file) with query, positive and optional negative fields; {str(path)!r} is not such a file"
         )
     records = []
-    for number, record in jsonl_records(file, "query"):  # UTF-8, JSON and a string query, per line
+    # UTF-8, JSON, a string query and text (no lone surrogate) in every field, per line
+    for number, record in jsonl_records(file, "query", text_fields=("positive", "negative")):
         missing = [k for k in ("query", "positive") if not isinstance(record.get(k), str) or not record[k].strip()]
         if missing:
             raise CorpusError(f"{file}, line {number}: missing or empty field(s) {missing}")
         negative = record.get("negative")
         if negative is not None and not isinstance(negative, str):
             raise CorpusError(f"{file}, line {number}: 'negative' must be a string")
-        for key in ("positive", "negative"):  # the query's UTF-8 was checked by jsonl_records
-            try:
-                (record.get(key) or "").encode("utf-8")
-            except UnicodeEncodeError as err:  # a JSON \ud800 escape: not text
-                raise CorpusError(f"{file}, line {number}: {key!r} holds a lone surrogate ({err})") from err
         row = {"query": record["query"], "positive": record["positive"]}
         if negative and negative.strip():
             row["negative"] = negative
