@@ -1,7 +1,9 @@
 """Small file helpers shared by every writer: atomic writes, write failures, hashes and the evaluation-data folder.
 
 An atomic write goes to a hidden temporary file in the same folder and is renamed into place, so a
-reader (or a run killed half-way) sees either the old file or the new one, never a torn one. A write that
+reader (or a run killed half-way) sees either the old file or the new one, never a torn one. Surviving a power
+cut as well takes ``fsync=True`` (the file's bytes reach the disk before the rename) and :func:`fsync_folder`
+after the renames a later write vouches for (a manifest saying a build is complete). A write that
 fails (a full disk) deletes what it had half written and says which file it could not write
 (:func:`writing`), whatever library raised it.
 """
@@ -24,14 +26,31 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO
 logger = logging.getLogger(__name__)
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
-    """Call ``write(tmp)`` to fill a temporary file, then rename it to ``path``."""
+def atomic_write(path: str | Path, write: Callable[[Path], object], fsync: bool = False) -> Path:
+    """Call ``write(tmp)`` to fill a temporary file, then rename it to ``path``. ``fsync``: flush the file to disk
+    before the rename (one fsync a file), so that after a power cut ``path`` is the old file or the whole new one;
+    the rename itself lasts once its folder is synced (:func:`fsync_folder`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with writing(path, partial=tmp):
         write(tmp)
+        if fsync:
+            with open(tmp, "rb+") as handle:  # whoever wrote tmp closed it; any handle flushes the same file
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     return path
+
+
+def fsync_folder(folder: str | Path) -> None:
+    """Make the renames into ``folder`` last through a power cut (fsync its entries); nothing where a folder cannot
+    be opened (Windows)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -112,13 +131,13 @@ def file_sha256(path: str | Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+def atomic_write_text(path: str | Path, text: str, fsync: bool = False) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), fsync)
 
 
-def atomic_write_json(path: str | Path, payload) -> Path:
+def atomic_write_json(path: str | Path, payload, fsync: bool = False) -> Path:
     """JSON with indent 2 and a final newline; objects JSON cannot hold are written as str()."""
-    return atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
+    return atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n", fsync)
 
 
 def update_json(path: str | Path, updates: dict, under: str | None = None) -> Path:

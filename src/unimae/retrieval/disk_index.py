@@ -52,21 +52,22 @@ from tqdm.auto import tqdm
 
 from unimae.data.passage_file import MappedRecords
 from unimae.embedding.spec import EmbeddingSpec
-from unimae.files import atomic_write, atomic_write_json, file_sha256
+from unimae.files import atomic_write, file_sha256
 from unimae.retrieval.index import (
     Hit,
     VectorIndex,
     VectorIndexError,
-    _check_resumable,
     _faiss,
     _read_manifest,
     _shard_ok,
     _shard_path,
+    begin_build,
+    build_lock,
     finished_manifest,
     index_manifest,
     remove_stale_files,
-    remove_stale_temporaries,
     search_queries,
+    write_manifest,
     write_shard,
 )
 
@@ -192,32 +193,29 @@ class DiskIndex:
         :meth:`VectorIndex.build <unimae.retrieval.index.VectorIndex.build>` does), then write the disk store.
 
         Memory stays bounded: shards are written one by one, gathered into ``vectors.npy`` through a memory
-        map, and the IVF-PQ index is trained on a sample and filled ``_ADD_ROWS`` vectors at a time.
+        map, and the IVF-PQ index is trained on a sample and filled ``_ADD_ROWS`` vectors at a time. The folder's
+        build lock is held throughout (:func:`~unimae.retrieval.index.build_lock`).
         """
         if not passages:
             raise VectorIndexError("no passages to index")
         config = config or DiskIndexConfig()
         directory = Path(directory)
-        shards = directory / "shards"
-        shards.mkdir(parents=True, exist_ok=True)
         manifest = _manifest(encoder, passages, config, source)
-        manifest_path = directory / "manifest.json"
-        _check_resumable(manifest_path, manifest, config, overwrite, shards)
-        remove_stale_temporaries(directory, shards)
-        atomic_write_json(manifest_path, manifest)
-        _write_passages(directory, passages)
-        starts = _embed_missing_shards(encoder, passages, shards, config, manifest["dim"])
-        _gather_vectors(shards, starts, directory / VECTORS, (len(passages), manifest["dim"]))
-        vectors = _map_array(directory / VECTORS)  # (N, D)
-        ivf = _train_ivfpq(vectors, config)
-        tuned = _tune_nprobe(ivf, vectors, config)
-        atomic_write(directory / IVFPQ, lambda tmp: _faiss().write_index(ivf, str(tmp)))
-        (directory / "index.faiss").unlink(missing_ok=True)  # a memory store built here before: superseded
-        manifest["ivfpq"] = {"nlist": ivf.nlist, "m": ivf.pq.M, "nbits": ivf.pq.nbits, **tuned}
-        manifest["sha256"] = {name: file_sha256(directory / name) for name in (IVFPQ, OFFSETS, VECTORS)}
-        manifest["complete"] = True
-        atomic_write_json(manifest_path, manifest)
-        remove_stale_files(directory, [IVFPQ, OFFSETS, VECTORS])  # a memory index's files, if it was one before
+        with build_lock(directory):
+            shards = begin_build(directory, manifest, config, overwrite)
+            _write_passages(directory, passages)
+            starts = _embed_missing_shards(encoder, passages, shards, config, manifest["dim"])
+            _gather_vectors(shards, starts, directory / VECTORS, (len(passages), manifest["dim"]))
+            vectors = _map_array(directory / VECTORS)  # (N, D)
+            ivf = _train_ivfpq(vectors, config)
+            tuned = _tune_nprobe(ivf, vectors, config)
+            atomic_write(directory / IVFPQ, lambda tmp: _faiss().write_index(ivf, str(tmp)), fsync=True)
+            (directory / "index.faiss").unlink(missing_ok=True)  # a memory store built here before: superseded
+            manifest["ivfpq"] = {"nlist": ivf.nlist, "m": ivf.pq.M, "nbits": ivf.pq.nbits, **tuned}
+            manifest["sha256"] = {name: file_sha256(directory / name) for name in (IVFPQ, OFFSETS, VECTORS)}
+            manifest["complete"] = True
+            write_manifest(directory, manifest)
+            remove_stale_files(directory, [IVFPQ, OFFSETS, VECTORS])  # a memory index's files, if it was one before
         return cls.load(directory)
 
     @classmethod
@@ -300,7 +298,7 @@ def _check_hashes(directory: Path, manifest: dict) -> None:
 
 def _write_passages(directory: Path, passages: list[tuple[str, str]]) -> None:
     """passages.jsonl (the lines :class:`~unimae.retrieval.index.VectorIndex` writes) and their byte offsets,
-    streamed."""
+    streamed; both fsynced."""
     offsets = np.zeros(len(passages) + 1, dtype=np.int64)  # (N + 1,)
 
     def write(tmp: Path) -> None:
@@ -310,8 +308,8 @@ def _write_passages(directory: Path, passages: list[tuple[str, str]]) -> None:
                 handle.write(line)
                 offsets[i + 1] = offsets[i] + len(line)
 
-    atomic_write(directory / "passages.jsonl", write)
-    atomic_write(directory / OFFSETS, lambda tmp: _save(tmp, offsets))
+    atomic_write(directory / "passages.jsonl", write, fsync=True)
+    atomic_write(directory / OFFSETS, lambda tmp: _save(tmp, offsets), fsync=True)
 
 
 def _embed_missing_shards(encoder, passages, shards: Path, config: DiskIndexConfig, dim: int) -> range:
@@ -341,7 +339,7 @@ def _gather_vectors(shards: Path, starts: range, path: Path, shape: tuple[int, i
         out.flush()
         del out
 
-    atomic_write(path, write)
+    atomic_write(path, write, fsync=True)
 
 
 def _train_ivfpq(vectors: np.ndarray, config: DiskIndexConfig):

@@ -40,9 +40,14 @@ Rescoring a binary index (``IndexConfig.rescore``; the papers and libraries leav
   ``semantic_search_faiss``): nothing more on disk, lower quality (measured in docs/results.md). Indexes built
   before this option are read this way.
 
-Every file is written to a temporary name and renamed into place, so a killed ``unimae index`` leaves
-finished shards and no half-written file; running it again resumes at the first missing shard. An
-index whose manifest says ``complete: false`` refuses to load.
+Every file is written to a temporary name, fsynced and renamed into place, so a killed ``unimae index`` (or a
+power cut) leaves finished shards and no half-written file; running it again resumes at the first missing shard.
+An index whose manifest says ``complete: false`` refuses to load; the final manifest is written after the folders
+holding the renamed files are fsynced, so it never says ``complete`` for a file that did not reach the disk.
+
+One build at a time: a build holds an advisory lock (``flock``) on ``.unimae-build.lock`` inside the folder from
+its first check to its last write, and a second build of the folder (``--overwrite`` too) fails at once naming
+the folder (:func:`build_lock`). Opening a finished index takes no lock.
 
 Integrity: a resumed build reuses a shard only if its bytes still match the SHA-256 recorded when it was
 written (one damaged in place, same size, is embedded again; shards of builds older than these hashes are
@@ -54,10 +59,17 @@ the hashes load with a warning.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import hashlib
 import io
 import json
 import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,7 +78,12 @@ from tqdm.auto import tqdm
 
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.vectors import finish_embeddings
-from unimae.files import atomic_write, atomic_write_json, atomic_write_text, file_sha256, read_json
+from unimae.files import atomic_write, atomic_write_json, atomic_write_text, file_sha256, fsync_folder, read_json
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): builds run without the folder lock
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +94,9 @@ RESCORE_CODEC, RESCORE_CODES = "rescore.faiss", "rescore.npy"
 # removes those its store does not write, so an earlier build of another kind or store leaves nothing behind.
 STORE_FILES = ("index.faiss", RESCORE_CODEC, RESCORE_CODES, "vectors.npy", "ivfpq.faiss", "passages.offsets.npy")
 FORMAT_VERSION = 1
+LOCK_FILE = ".unimae-build.lock"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # a file system that cannot lock (some NFS mounts)
+_HELD: set[tuple[Path, int]] = set()  # (lock file, thread) of each build lock this process holds
 
 
 class VectorIndexError(ValueError):
@@ -203,8 +223,8 @@ def _write_rescore_store(directory: Path, vectors: np.ndarray) -> None:
     codec = faiss.IndexScalarQuantizer(vectors.shape[1], faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
     codec.train(vectors)
     codes = codec.sa_encode(vectors)  # (N, D) uint8
-    atomic_write(directory / RESCORE_CODEC, lambda tmp: faiss.write_index(codec, str(tmp)))
-    atomic_write(directory / RESCORE_CODES, lambda tmp: _save_npy(tmp, codes))
+    atomic_write(directory / RESCORE_CODEC, lambda tmp: faiss.write_index(codec, str(tmp)), fsync=True)
+    atomic_write(directory / RESCORE_CODES, lambda tmp: _save_npy(tmp, codes), fsync=True)
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -303,6 +323,88 @@ def finished_manifest(directory: Path) -> dict:
     return manifest
 
 
+@contextlib.contextmanager
+def build_lock(directory: str | Path) -> Iterator[None]:
+    """Hold the build lock of the index folder ``directory`` (created if need be) for the block: an advisory
+    ``flock`` on :data:`LOCK_FILE` inside it, taken without waiting (VectorIndexError if another build holds it),
+    released on leaving the block, on an error, or when the process dies. ``--overwrite`` empties the folder's
+    shards but never deletes the folder, so the lock file can live inside it. Taken again inside the block (a
+    caller holding it across two builds) it is a no-op. Without ``fcntl`` (or on a file system that cannot lock)
+    the build runs unlocked."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ((directory / LOCK_FILE).resolve(), threading.get_ident())
+    if key in _HELD:
+        yield
+        return
+    handle = _lock(key[0])
+    _HELD.add(key)
+    try:
+        yield
+    finally:
+        _HELD.discard(key)
+        if handle is not None:
+            handle.close()  # closing the file releases its flock
+
+
+def _lock(path: Path):
+    """The lock file ``path``, open and flocked (exclusive, non-blocking), naming this process; None where
+    locks are not available. VectorIndexError naming the folder if another build holds it."""
+    if fcntl is None:
+        _unlocked("this platform has no fcntl")
+        return None
+    handle = open(path, "a+", encoding="utf-8")  # held open for the whole build: closing it unlocks
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise VectorIndexError(
+            f"another `unimae index` build ({holder}) holds the index folder {path.parent} (lock file "
+            f"{path.name}); wait for it to finish or stop it, or choose another --output-dir (--overwrite does "
+            "not take a folder from a running build)"
+        ) from None
+    except OSError as err:
+        handle.close()
+        if err.errno not in _NO_LOCKS:
+            raise
+        _unlocked(f"the file system of {path.parent} cannot lock files ({err.strerror})")
+        return None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
+
+
+@functools.cache
+def _unlocked(why: str) -> None:
+    """Log (once a reason, at debug level) that index builds take no folder lock."""
+    logger.debug("index builds run without a folder lock: %s", why)
+
+
+def begin_build(directory: Path, manifest: dict, config, overwrite: bool) -> Path:
+    """A locked build's first writes: check that ``directory`` may be resumed (else refuse, or empty its shards
+    for ``overwrite``), delete a killed build's temporary files and write ``manifest`` (``complete: false``)
+    -> the shards folder."""
+    shards = directory / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    _check_resumable(directory / "manifest.json", manifest, config, overwrite, shards)
+    remove_stale_temporaries(directory, shards)
+    write_manifest(directory, manifest)
+    return shards
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    """Write ``directory``'s manifest.json so that it lasts through a power cut, after what it vouches for: the
+    build's files were fsynced before their renames; their folders are fsynced here, then the manifest, then its
+    folder (one fsync each)."""
+    fsync_folder(directory / "shards")
+    fsync_folder(directory)
+    atomic_write_json(directory / "manifest.json", manifest, fsync=True)
+    fsync_folder(directory)
+
+
 class VectorIndex:
     """Passages + their embeddings in FAISS. Build with :meth:`build`, open with :meth:`load`."""
 
@@ -326,38 +428,29 @@ class VectorIndex:
         """Embed ``passages`` with ``encoder`` shard by shard into ``directory`` (resuming), then index them.
 
         ``source`` (model spec, adapter, corpus) is recorded in the manifest; an existing folder built from
-        other passages, another model or adapter is an error unless ``overwrite``.
+        other passages, another model or adapter is an error unless ``overwrite``. The folder's build lock is
+        held throughout (:func:`build_lock`): a second build of it fails at once.
         """
         if not passages:
             raise VectorIndexError("no passages to index")
         config = config or IndexConfig()
         directory = Path(directory)
-        shards = directory / "shards"
-        shards.mkdir(parents=True, exist_ok=True)
         manifest = index_manifest(encoder, passages, config, source)
-        manifest_path = directory / "manifest.json"
-        _check_resumable(manifest_path, manifest, config, overwrite, shards)
-        remove_stale_temporaries(directory, shards)
-        atomic_write_json(manifest_path, manifest)
-        atomic_write_text(
-            directory / "passages.jsonl",
-            "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
-        )
-        vectors = _embed_shards(encoder, passages, shards, config)  # (N, D)
-        index = _build_faiss(vectors, config)
-        faiss = _faiss()
-        write = faiss.write_index_binary if config.kind == "binary" else faiss.write_index
-        atomic_write(directory / "index.faiss", lambda tmp: write(index, str(tmp)))
-        stored = [RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else []
-        if stored:
-            _write_rescore_store(directory, vectors)
-        remove_stale_files(directory, ["index.faiss", *stored])
-        manifest["sha256"] = {
-            **{name: file_sha256(directory / name) for name in ["index.faiss", *stored]},
-            "shards": _shard_hashes(shards, range(0, len(passages), config.shard_size)),
-        }
-        manifest["complete"] = True
-        atomic_write_json(manifest_path, manifest)
+        with build_lock(directory):
+            shards = begin_build(directory, manifest, config, overwrite)
+            atomic_write_text(
+                directory / "passages.jsonl",
+                "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
+                fsync=True,
+            )
+            vectors = _embed_shards(encoder, passages, shards, config)  # (N, D)
+            index, stored = _write_store(directory, manifest, vectors, config)
+            manifest["sha256"] = {
+                **{name: file_sha256(directory / name) for name in stored},
+                "shards": _shard_hashes(shards, range(0, len(passages), config.shard_size)),
+            }
+            manifest["complete"] = True
+            write_manifest(directory, manifest)
         return cls(directory, manifest, passages, index)
 
     @classmethod
@@ -414,6 +507,20 @@ class VectorIndex:
             [Hit(*self.passages[i], float(s)) for s, i in zip(row_s, row_i, strict=True) if i >= 0]
             for row_s, row_i in zip(scores, ids, strict=True)
         ]
+
+
+def _write_store(directory: Path, manifest: dict, vectors: np.ndarray, config: IndexConfig) -> tuple:
+    """vectors (N, D) -> the FAISS index, written (fsynced) to ``index.faiss`` with an int8-rescored binary
+    index's store, the other stores' files removed -> (index, names of the files written)."""
+    index = _build_faiss(vectors, config)
+    faiss = _faiss()
+    write = faiss.write_index_binary if config.kind == "binary" else faiss.write_index
+    atomic_write(directory / "index.faiss", lambda tmp: write(index, str(tmp)), fsync=True)
+    stored = ["index.faiss", *([RESCORE_CODEC, RESCORE_CODES] if _int8_rescored(manifest) else [])]
+    if len(stored) > 1:
+        _write_rescore_store(directory, vectors)
+    remove_stale_files(directory, stored)
+    return index, stored
 
 
 def _check_integrity(directory: Path, manifest: dict, passages: list[tuple[str, str]]) -> None:
@@ -538,8 +645,8 @@ def _hash_path(shards: Path, start: int) -> Path:
 
 
 def write_shard(shards: Path, start: int, vectors: np.ndarray) -> None:
-    """Write the (n, D) ``vectors`` of the shard starting at ``start`` atomically, then its SHA-256 beside it;
-    VectorIndexError for a NaN or infinite vector (the model's weights are damaged)."""
+    """Write the (n, D) ``vectors`` of the shard starting at ``start`` atomically (fsynced), then its SHA-256 beside
+    it; VectorIndexError for a NaN or infinite vector (the model's weights are damaged)."""
     if not np.isfinite(vectors).all():
         raise VectorIndexError(
             f"the model gave NaN or infinite embeddings for passages {start} to {start + len(vectors) - 1}: its "
@@ -548,8 +655,8 @@ def write_shard(shards: Path, start: int, vectors: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, vectors.astype(np.float32))
     data = buffer.getvalue()
-    atomic_write(_shard_path(shards, start), lambda tmp: tmp.write_bytes(data))
-    atomic_write_text(_hash_path(shards, start), hashlib.sha256(data).hexdigest() + "\n")
+    atomic_write(_shard_path(shards, start), lambda tmp: tmp.write_bytes(data), fsync=True)
+    atomic_write_text(_hash_path(shards, start), hashlib.sha256(data).hexdigest() + "\n", fsync=True)
 
 
 def _shard_hashes(shards: Path, starts: range) -> dict[str, str]:
