@@ -107,6 +107,8 @@ def test_without_ray_the_engine_names_the_extra(monkeypatch, corpus_file, tmp_pa
     assert main(args) == 2 and "pip install 'unimae[ray]'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="workers"):
         RayConfig(workers=0)
+    with pytest.raises(ValueError, match="passages_per_job"):
+        RayConfig(passages_per_job=0)
 
 
 @pytest.mark.slow
@@ -160,6 +162,28 @@ def test_ray_build_killed_mid_run_resumes(local_ray, tiny_llama, tmp_path):
     assert index.manifest["model"] == os.path.realpath(tiny_llama) and index.manifest["adapter_revision"] == "base"
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in kept} == stamps, "finished shards are not redone"
     _assert_same_vectors(_vectors(out), _reference(tiny_llama))  # the damaged and the missing shards redone
+
+
+@pytest.mark.slow
+def test_the_driver_reads_the_texts_one_job_at_a_time(local_ray, tiny_llama, tmp_path, monkeypatch):
+    """Before: the driver gathered the texts of every missing shard before the one Ray Data job started."""
+    import unimae.retrieval.ray_index as ray_index
+
+    read, held = [], []
+    shard_row, write = ray_index._shard_row, ray_index.write_shard
+    monkeypatch.setattr(ray_index, "_shard_row", lambda *args: read.append(args[1]) or shard_row(*args))
+
+    def watched(shards, start, vectors):  # the shards read so far, against the shards written before this one
+        held.append((len(read), len(held)))
+        write(shards, start, vectors)
+
+    monkeypatch.setattr(ray_index, "write_shard", watched)
+    load = EncoderLoad(tiny_llama, max_length=64, precision="fp32")
+    config = RayConfig(workers=2, passages_per_job=27)  # 27 passages: 5 shards of 5 a job, 2 jobs
+    index = build_on_ray(load, CORPUS, tmp_path / "idx", IndexConfig(shard_size=5), ray_config=config)
+    assert len(index) == 50 and len(held) == 10
+    assert all(sliced <= (written // 5 + 1) * 5 for sliced, written in held), held
+    _assert_same_vectors(_vectors(tmp_path / "idx"), _reference(tiny_llama))
 
 
 @pytest.mark.slow

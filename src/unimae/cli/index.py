@@ -74,6 +74,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="--engine ray: encoder actors, one model each.")
     parser.add_argument("--num-gpus-per-worker", type=float, default=0, help="--engine ray: GPUs per actor.")
     parser.add_argument("--num-cpus-per-worker", type=float, default=1, help="--engine ray: CPUs per actor.")
+    parser.add_argument(
+        "--passages-per-job",
+        type=int,
+        default=100_000,
+        help="--engine ray: missing passages per Ray Data job (the texts the driver holds at a time; each job "
+        "loads the workers' encoders again).",
+    )
 
 
 def add_ask_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,6 +158,7 @@ def _build_on_ray(args: argparse.Namespace, passages: list, config, source: dict
         workers=args.workers,
         num_gpus_per_worker=args.num_gpus_per_worker,
         num_cpus_per_worker=args.num_cpus_per_worker,
+        passages_per_job=args.passages_per_job,
     )
     return build_on_ray(load, passages, args.output_dir, config, source, args.overwrite, ray_config)
 

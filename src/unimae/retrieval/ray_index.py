@@ -14,7 +14,10 @@ embeds the missing shards changes:
    actor, ``num_gpus_per_worker`` GPUs each), each shard embedded as :func:`unimae.retrieval.index._embed_shards`
    does it (``encode_document(texts, normalize=True, dimensions=..., batch_size=...)``). Its vectors come back to
    the driver, which writes the shard atomically with its SHA-256 (:func:`unimae.retrieval.index.write_shard`): a
-   shard is on disk whole or not at all;
+   shard is on disk whole or not at all. The rows go in jobs of ``passages_per_job`` passages, one after the
+   other, each read from the corpus when its job starts: the driver never holds more texts than one job's (a
+   ``.jsonl`` corpus is read on demand, :class:`~unimae.data.passage_file.PassageFile`), at the price of loading
+   the workers' encoders once a job;
 4. ``build`` runs again, finds every shard, and builds the index.
 
 Ray does the scheduling, the actor restarts and task retries after a lost worker or node, and the data
@@ -33,7 +36,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +48,7 @@ from unimae.embedding.spec import EmbeddingSpec
 from unimae.encoder import Encoder
 from unimae.release import resolve_adapter
 from unimae.retrieval.disk_index import DiskIndex, DiskIndexConfig
-from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError, _shard_ok, write_shard
+from unimae.retrieval.index import IndexConfig, VectorIndex, VectorIndexError, _shard_ok, build_lock, write_shard
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,14 @@ class RayConfig:
     workers: int = field(default=2, metadata={"help": "Encoder actors (one model each)."})
     num_gpus_per_worker: float = field(default=0, metadata={"help": "GPUs per actor (0: CPU workers)."})
     num_cpus_per_worker: float = field(default=1, metadata={"help": "CPUs per actor (its torch threads)."})
+    passages_per_job: int = field(
+        default=100_000,
+        metadata={
+            "help": "Missing passages (rounded to whole shards) handed to one Ray Data job: the driver holds this "
+            "many texts at a time (about 100 MB of 1 KB passages), not the corpus; each job loads every worker's "
+            "encoder again, so raise it where that load is long against a job's embedding (GPUs, many workers)."
+        },
+    )
     runtime_env: dict | None = field(
         default=None,
         metadata={"help": "Ray runtime environment of the job (env vars, pip, a setup hook), if this call starts Ray."},
@@ -79,6 +90,8 @@ class RayConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.num_gpus_per_worker < 0 or self.num_cpus_per_worker <= 0:
             raise ValueError("num_gpus_per_worker must be >= 0 and num_cpus_per_worker > 0")
+        if self.passages_per_job < 1:
+            raise ValueError(f"passages_per_job must be >= 1, got {self.passages_per_job}")
 
 
 @dataclass
@@ -180,7 +193,7 @@ class ShardEmbedder:
 
 def build_on_ray(
     load: EncoderLoad,
-    passages: list[tuple[str, str]],
+    passages: Sequence[tuple[str, str]],
     directory: str | Path,
     config: IndexConfig | DiskIndexConfig | None = None,
     source: dict | None = None,
@@ -194,22 +207,23 @@ def build_on_ray(
     ray_config = ray_config or RayConfig()
     store = DiskIndex if isinstance(config, DiskIndexConfig) else VectorIndex
     ray = _ray()
-    with ray_session(ray, ray_config):
-        facts = worker_facts(ray, load, ray_config)
-        planned = _PlannedEncoder(facts, load)
+    with build_lock(directory):  # held across both builds and the Ray job between them (the driver writes)
+        with ray_session(ray, ray_config):
+            facts = worker_facts(ray, load, ray_config)
+            planned = _PlannedEncoder(facts, load)
+            try:
+                return store.build(planned, passages, directory, config, source, overwrite)
+            except _ShardsMissing:
+                pass
+            shards = Path(directory) / "shards"
+            embed_missing_shards(ray, load, facts, passages, shards, config, ray_config)
         try:
-            return store.build(planned, passages, directory, config, source, overwrite)
+            return store.build(planned, passages, directory, config, source)
         except _ShardsMissing:
-            pass
-        shards = Path(directory) / "shards"
-        embed_missing_shards(ray, load, facts, passages, shards, config, ray_config)
-    try:
-        return store.build(planned, passages, directory, config, source)
-    except _ShardsMissing:
-        raise VectorIndexError(
-            f"shards of {directory} are still missing or damaged after the Ray job (a full disk, or another "
-            "process writing the folder?); rerun to embed them"
-        ) from None
+            raise VectorIndexError(
+                f"shards of {directory} are still missing or damaged after the Ray job (a full disk, or another "
+                "process writing the folder?); rerun to embed them"
+            ) from None
 
 
 @contextlib.contextmanager
@@ -260,22 +274,35 @@ def embed_missing_shards(
     ray,
     load: EncoderLoad,
     facts: dict,
-    passages: list[tuple[str, str]],
+    passages: Sequence[tuple[str, str]],
     shards: Path,
     config: IndexConfig | DiskIndexConfig,
     ray_config: RayConfig,
 ) -> int:
     """Embed, on a pool of ``ray_config.workers`` actors, every shard of ``passages`` not already (whole) in
-    ``shards``; write each as it arrives -> the number of shards embedded."""
+    ``shards``; write each as it arrives -> the number of shards embedded. The missing shards go to Ray Data in
+    jobs of ``ray_config.passages_per_job`` passages (whole shards, at least one), so the driver reads and holds
+    one job's texts at a time, whatever the corpus's size."""
     dim = config.dimensions or facts["embedding_dim"]
-    rows = [
-        {"start": start, "ids": [pid for pid, _ in chunk], "texts": [text for _, text in chunk]}
-        for start in range(0, len(passages), config.shard_size)
-        if not _shard_ok(shards, start, config.shard_size, len(passages), dim)
-        for chunk in [passages[start : start + config.shard_size]]
-    ]
-    if not rows:
-        return 0
+    starts = range(0, len(passages), config.shard_size)
+    missing = [start for start in starts if not _shard_ok(shards, start, config.shard_size, len(passages), dim)]
+    per_job = max(1, ray_config.passages_per_job // config.shard_size)  # shards
+    with tqdm(total=len(missing), desc="index shards (ray)", unit="shard", disable=not missing) as progress:
+        for first in range(0, len(missing), per_job):
+            rows = [_shard_row(passages, start, config.shard_size) for start in missing[first : first + per_job]]
+            _embed_job(ray, rows, load, facts, shards, config, ray_config, progress)
+    return len(missing)
+
+
+def _shard_row(passages: Sequence[tuple[str, str]], start: int, size: int) -> dict:
+    """The Ray Data row of the shard starting at ``start``: its first passage, ids and texts."""
+    chunk = passages[start : start + size]
+    return {"start": start, "ids": [pid for pid, _ in chunk], "texts": [text for _, text in chunk]}
+
+
+def _embed_job(ray, rows: list[dict], load: EncoderLoad, facts: dict, shards: Path, config, ray_config, progress):
+    """One Ray Data job: ``rows`` (shards) through an actor pool of :class:`ShardEmbedder`, each shard written as
+    it comes back."""
     embedded = ray.data.from_items(rows).map_batches(
         ShardEmbedder,
         batch_size=1,  # one shard per call: a shard's vectors come back whole
@@ -290,14 +317,12 @@ def embed_missing_shards(
         num_cpus=ray_config.num_cpus_per_worker,
         num_gpus=ray_config.num_gpus_per_worker,
     )
-    with tqdm(total=len(rows), desc="index shards (ray)", unit="shard") as progress:
-        try:
-            _write_shards(embedded.iter_rows(), shards, progress)
-        except ray.exceptions.RayError as err:  # a worker that could not start, a lost node past Ray's retries
-            raise VectorIndexError(
-                f"the Ray job failed ({_last_line(err)}); the shards embedded before it are kept: rerun to resume"
-            ) from err
-    return len(rows)
+    try:
+        _write_shards(embedded.iter_rows(), shards, progress)
+    except ray.exceptions.RayError as err:  # a worker that could not start, a lost node past Ray's retries
+        raise VectorIndexError(
+            f"the Ray job failed ({_last_line(err)}); the shards embedded before it are kept: rerun to resume"
+        ) from err
 
 
 def _last_line(err: Exception) -> str:
