@@ -216,7 +216,9 @@ def test_an_embedding_that_solves_each_task_scores_one_on_every_task_type(
 
 
 @needs_data
-def test_cache_returns_identical_embeddings_and_scores(tiny_model_dirs, tiny_encoder, data_slice, tmp_path):
+def test_cache_returns_identical_embeddings_and_scores(
+    tiny_model_dirs, tiny_encoder, data_slice, tmp_path, monkeypatch
+):
     from unimae.evaluation.embedding_cache import EmbeddingCache
     from unimae.evaluation.embeddings import evaluate_embeddings
 
@@ -243,6 +245,26 @@ def test_cache_returns_identical_embeddings_and_scores(tiny_model_dirs, tiny_enc
     )
     assert resumed.cache_hits == resumed.cache_misses == 0
     assert resumed.scores == pytest.approx(first.scores, abs=1e-6)
+    embedded, encode = [], tiny_encoder.encode
+
+    def counted(texts, **options):
+        embedded.extend(texts)
+        return encode(texts, **options)
+
+    monkeypatch.setattr(tiny_encoder, "encode", counted)
+    bypassed = evaluate_embeddings(  # --rerun --no-cache: every text embedded again, though all are cached
+        str(tiny_model_dirs["llama"]),
+        ["STSBenchmark"],
+        tmp_path,
+        data_dir=data_slice,
+        label="a",
+        encoder=tiny_encoder,
+        rerun=True,
+        use_cache=False,
+    )
+    assert bypassed.cache_hits == bypassed.cache_misses == 0
+    assert len(embedded) == first.cache_hits + first.cache_misses  # each text of each lookup
+    assert bypassed.scores == pytest.approx(first.scores, abs=1e-6)  # batched otherwise: rounding may differ
     cache = EmbeddingCache(tmp_path / "c.sqlite", "ns")
     texts = ["a cat", "a dog", "a cat"]
     fresh = cache.get_or_compute(texts, lambda t: tiny_encoder.encode(t))
@@ -702,6 +724,42 @@ def test_embedding_cache_recomputes_a_damaged_row_and_names_an_unreadable_file(t
     (tmp_path / "bad.sqlite").write_bytes(b"not a database" * 100)
     with pytest.raises(EmbeddingCacheError, match="--no-cache"):
         EmbeddingCache(tmp_path / "bad.sqlite", "ns")
+
+
+def test_a_new_vector_code_version_embeds_every_text_again(tmp_path, monkeypatch):
+    """Vectors cached by other code are never read: the namespace holds VECTOR_CODE_VERSION, which a change that
+    alters the vectors of the same inputs bumps, so the next evaluation (a --rerun) embeds every text again."""
+    from types import SimpleNamespace
+
+    from unimae.evaluation import embedding_cache
+    from unimae.evaluation.embeddings import open_embedding_cache
+
+    encoder = SimpleNamespace(  # what open_embedding_cache reads of an Encoder
+        pooling="eos",
+        max_length=64,
+        embedding_precision="fp32",
+        pooling_options={},
+        adapter_merged=False,
+        attention="causal",
+    )
+
+    def lookup(version: int, value: float) -> tuple[str, int, int, np.ndarray]:
+        """Two texts through the cache of code ``version`` (computed as ``value``) -> namespace, hits, misses and
+        the (2, 3) vectors."""
+        monkeypatch.setattr(embedding_cache, "VECTOR_CODE_VERSION", version)
+        cache = open_embedding_cache(tmp_path, encoder, "tiny", None, "base")
+        try:
+            vectors = cache.get_or_compute(["a", "b"], lambda t: np.full((len(t), 3), value, dtype=np.float32))
+            return cache.namespace, cache.hits, cache.misses, vectors
+        finally:
+            cache.close()
+
+    version = embedding_cache.VECTOR_CODE_VERSION
+    old, _, misses, _ = lookup(version, 1.0)
+    same, hits, _, vectors = lookup(version, 2.0)  # the same code: every vector from the cache
+    assert misses == 2 and (same, hits) == (old, 2) and (vectors == 1).all()
+    new, hits, misses, vectors = lookup(version + 1, 3.0)
+    assert new != old and (hits, misses) == (0, 2) and (vectors == 3).all()
 
 
 def test_default_labels_of_two_adapters_in_one_folder_differ():

@@ -215,33 +215,90 @@ async def _leaving_client(app, path: str, body: dict, leave: threading.Event) ->
     return sent
 
 
-@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [("torch", {}), ("torch", {"continuous_batching": False}), ("llama.cpp", {})],
+    ids=["torch-batched", "torch-threads", "llama.cpp"],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/rag"])
-def test_a_client_that_leaves_a_non_streamed_answer_stops_its_generation(tiny_sources, monkeypatch, kind, path):
-    app = _app(kind, tiny_sources, max_new_tokens=256)
+def test_a_client_that_leaves_a_non_streamed_answer_stops_its_generation(
+    tiny_sources, monkeypatch, kind, options, path
+):
+    """The generation is held after its first token until the route has cancelled it, so the client provably
+    leaves while it runs (however fast the model): the answer is a 499 and the generation ends there. The torch
+    engines decode no token after the step that was held (the scheduler counts the request cancelled); llama.cpp
+    decodes in threads of its own, which no callback holds, so what is checked there is that the engine tells it
+    to stop at the chunk that was held and reads nothing after it."""
+    app = _app(kind, tiny_sources, max_new_tokens=256, **options)
     state = app.state.server
-    engine, leave, results = state.engine, threading.Event(), []
-    generate = engine.generate
+    engine, leave = state.engine, threading.Event()
+    cancels, results, released = [], [], []  # the route's cancel event; the answer's counts; held until cancelled?
+    ended = threading.Event()  # the engine is done with the request (the scheduler: at its turn after the answer)
 
-    def watched(ids, params, cancel):  # the engine's own generation; the client leaves at its first piece
+    def hold() -> None:
+        """In the generation, its first token given: the client leaves; go on once the route has cancelled."""
+        leave.set()
+        released.append(cancels[0].wait(WAIT))
+
+    def watched(ids, params, cancel):  # the engine's own generation (llama.cpp's RAG decodes through it too)
+        cancels.append(cancel)
         for item in generate(ids, params, cancel):
-            leave.set()
             if isinstance(item, GenerationResult):
                 results.append(item)
             yield item
 
+    generate = engine.generate
     monkeypatch.setattr(engine, "generate", watched)
     if kind == "torch":  # its RAG decodes through the encoder's stream, not engine.generate
-        stream = engine.rag_stream
+        from unimae.generation.decoding import Decoder
+
+        stream, step, steps = engine.rag_stream, Decoder.step, []
 
         def rag_watched(query, prompt, params, cancel):
+            cancels.append(cancel)
             for item in stream(query, prompt, params, cancel):
-                leave.set()
                 if hasattr(item, "completion_tokens"):
                     results.append(item)
                 yield item
 
+        def held_step(self, states):  # every token after the prefill's, on both token sources
+            if not leave.is_set():
+                hold()
+            steps.append(len(states))
+            return step(self, states)
+
         monkeypatch.setattr(engine, "rag_stream", rag_watched)
+        monkeypatch.setattr(Decoder, "step", held_step)
+        if engine.scheduler is not None:
+            end = engine.scheduler._end
+
+            def ending(request, *args, **kwargs):
+                end(request, *args, **kwargs)
+                ended.set()
+
+            monkeypatch.setattr(engine.scheduler, "_end", ending)
+        else:
+            ended.set()  # decode_tokens ran in the route's worker thread, which ended before the answer
+    else:
+        ended.set()  # the engine's stream ends before the answer
+        complete, told = engine.model.complete, []
+
+        def held_complete(request, on_chunk):
+            chunks = []
+
+            def held(chunk) -> bool:  # the engine's callback, given llama.cpp's chunks in order
+                chunks.append(chunk)
+                data = json.loads(chunk) if isinstance(chunk, (str, bytes)) and chunk != "[DONE]" else chunk
+                running = isinstance(data, dict) and [c["finish_reason"] for c in data.get("choices", [])] == [None]
+                if len(chunks) != 2 or not running:  # held at the second: a token of a generation not yet ended
+                    return on_chunk(chunk)
+                hold()
+                told.append(on_chunk(chunk))  # True: the engine tells llama.cpp to stop
+                return told[-1]
+
+            return complete(request, held)
+
+        monkeypatch.setattr(engine.model, "complete", held_complete)
     body = {"prompt": "the cat", "max_tokens": 256, "temperature": 0}
     if path == "/v1/rag":
         body = {"query": "where did the dog run", "max_tokens": 200}
@@ -251,14 +308,22 @@ def test_a_client_that_leaves_a_non_streamed_answer_stops_its_generation(tiny_so
         try:
             return await _leaving_client(app, path, body, leave)
         finally:
+            leave.set()  # a generation that ended before it was held: the client's receive returns at once
+            await asyncio.to_thread(ended.wait, WAIT)  # stopping first would end the request as failed
             await engine.stop()
 
-    started = time.monotonic()
     sent = asyncio.run(main())
+    assert released == [True], "the generation was never held, or never cancelled while it was"
     assert sent[0]["status"] == 499, sent
-    assert results and results[-1].completion_tokens < 64, "the generation ran on after its client left"
+    assert len(results) == 1 and results[0].completion_tokens <= 2 < body["max_tokens"], results
+    if kind == "torch":
+        assert steps == [1], steps  # the step under way when the client left; none after it
+        if engine.scheduler is not None:
+            stats = engine.scheduler.snapshot()
+            assert (stats["cancelled"], stats["finished"], stats["tokens"]) == (1, 0, 2), stats
+    else:
+        assert told == [True] and (engine.stats.cancelled, engine.stats.finished) == (1, 0), (told, engine.stats)
     assert (state.slots.running, state.slots.waiting) == (0, 0)
-    assert time.monotonic() - started < WAIT
 
 
 @pytest.mark.parametrize("kind", ENGINES)

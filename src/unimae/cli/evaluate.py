@@ -66,9 +66,14 @@ def _add_embeddings_parser(kinds: argparse._SubParsersAction) -> None:
         help="Score the first k coordinates of each embedding (Matryoshka); the embedding cache is shared with "
         "the full-size run.",
     )
-    parser.add_argument("--no-cache", action="store_true", help="Do not read or write the embedding cache.")
     parser.add_argument(
-        "--rerun", action="store_true", help="Evaluate tasks again even if this model's result JSON exists."
+        "--no-cache", action="store_true", help="Do not read or write the embedding cache: embed every text again."
+    )
+    parser.add_argument(
+        "--rerun",
+        action="store_true",
+        help="Evaluate tasks again even if this model's result JSON exists (with vectors from the embedding cache, "
+        "unless --no-cache).",
     )
     parser.add_argument(
         "--reference",

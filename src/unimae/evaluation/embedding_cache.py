@@ -1,8 +1,8 @@
 """On-disk embedding cache: a second evaluation of the same texts costs nothing.
 
-Keyed by (model, adapter, pooling, max_length, precision) -> a namespace, and by the SHA-256 of
-each text inside it. Stored in one SQLite file (atomic commits, safe to interrupt); vectors are
-float32 blobs. ``hits``/``misses`` count lookups for the benchmark's hit rate.
+Keyed by (model, adapter, pooling, max_length, precision, :data:`VECTOR_CODE_VERSION`) -> a namespace,
+and by the SHA-256 of each text inside it. Stored in one SQLite file (atomic commits, safe to interrupt);
+vectors are float32 blobs. ``hits``/``misses`` count lookups for the benchmark's hit rate.
 """
 
 from __future__ import annotations
@@ -15,13 +15,23 @@ from pathlib import Path
 
 import numpy as np
 
+# The version of the code that turns a cached text (as keyed: prompt included, outer whitespace stripped) into the
+# vector stored for it: tokenization and truncation, the model's forward as unimae runs it, pooling. Bump it in any
+# change that alters those vectors for the same model, adapter, options and text: every namespace changes with it,
+# so no vector of the old code is read again (its rows stay in the file, unused, until the file is deleted). No bump
+# for what the namespace already tells apart (a new pooling, an option passed to namespace_key) or for what comes
+# after the cache (Matryoshka prefixes, rotation, scoring).
+VECTOR_CODE_VERSION = 1
+
 
 def text_key(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def namespace_key(**identity) -> str:
-    """Stable id of everything that changes an embedding (model, adapter weights, pooling, ...)."""
+    """Stable id of everything that changes an embedding (model, adapter weights, pooling, ...), and of the code
+    that computes it (:data:`VECTOR_CODE_VERSION`)."""
+    identity = {**identity, "vector_code": VECTOR_CODE_VERSION}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -330,7 +330,8 @@ def default_label(model: str, adapter: str | None, pooling: str) -> str:
 def open_embedding_cache(output_dir: Path, encoder, model: str, weights: str | None, revision: str | None):
     """The embedding cache of ``output_dir``, under a namespace of everything that changes ``encoder``'s vectors:
     model (and a local folder's weights), adapter weights, pooling and its options, max length, precision,
-    a merged adapter, a non-causal attention rule."""
+    a merged adapter, a non-causal attention rule, and the code that computes them (``namespace_key`` adds
+    :data:`~unimae.evaluation.embedding_cache.VECTOR_CODE_VERSION`)."""
     namespace = namespace_key(
         model=model,
         **({"model_revision": weights} if weights else {}),
@@ -369,7 +370,8 @@ def evaluate_embeddings(
     base model with bidirectional attention as a control for MNTP.
 
     Embeddings are cached under ``output_dir/embedding_cache.sqlite`` keyed by model, adapter
-    weights, pooling, max length, precision and text; ``encoder`` reuses an already loaded one.
+    weights, pooling, max length, precision, the vector code version and text (``rerun`` reuses them;
+    ``use_cache=False`` embeds every text again); ``encoder`` reuses an already loaded one.
     ``dimensions``: score the first k coordinates (Matryoshka; cosine similarity, so no re-normalisation is
     needed); the cache holds the full vectors, so every size after the first costs only the scoring.
     ``device``: where a loaded encoder runs (auto, cpu, cuda, cuda:N; not part of the cache key).
