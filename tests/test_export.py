@@ -46,7 +46,7 @@ def test_hf_export_loads_in_transformers_and_refuses_overwrite(tiny_model_dirs, 
 def test_an_export_that_fails_part_way_leaves_nothing_and_can_be_rerun(tiny_model_dirs, tmp_path, monkeypatch):
     from unimae.export import export, hf
 
-    def fail_after_writing(model, adapter, out, spec, max_length):
+    def fail_after_writing(model, adapter, out, spec, max_length, rotation):
         (out / "_transformer").mkdir()
         raise KeyboardInterrupt  # stopped mid-write
 
@@ -94,6 +94,25 @@ def test_sentence_transformers_export_refuses_what_it_cannot_express(tiny_model_
     with pytest.raises(ValueError, match=f"embeds with {spec['attention']} attention, {spec['pooling']} pooling"):
         export(str(tiny_model_dirs["llama"]), adapter, tmp_path / "st", fmt="sentence-transformers")
     assert not (tmp_path / "st").exists(), "nothing written"
+
+
+@pytest.mark.parametrize("fmt", ["hf", "sentence-transformers"])
+def test_a_missing_rotation_is_refused_before_the_merge(tiny_model_dirs, tmp_path, monkeypatch, fmt):
+    """Before: the rotation the adapter's unimae.json names was read only after the float32 merge was written."""
+    from unimae.embedding.spec import EmbeddingSpec
+    from unimae.export import export, hf
+
+    spec = EmbeddingSpec(matryoshka_dims=(4,), rotation="0123456789ab")  # fitted, but its file was not copied
+    adapter = _adapter_with_spec(tiny_model_dirs["llama"], tmp_path / "adapter", spec)
+
+    def merge(*args, **kwargs):
+        pytest.fail("merged before the missing rotation was refused")
+
+    monkeypatch.setattr(hf, "save_merged", merge)
+    monkeypatch.setattr(hf, "merged_model", merge)
+    with pytest.raises(FileNotFoundError, match="names a Matryoshka rotation but neither"):
+        export(str(tiny_model_dirs["llama"]), adapter, tmp_path / "out", fmt=fmt)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
 
 def test_mean_adapter_exports_mean_pooling_and_hf_card_states_the_spec(tiny_model_dirs, tmp_path):

@@ -257,6 +257,76 @@ def test_gguf_export_refuses_a_gemma3_config_llama_cpp_cannot_express(tiny_model
     assert not (tmp_path / "gemma.gguf").exists()
 
 
+def _no_weights(monkeypatch, *targets: str) -> None:
+    """Make loading or merging weights through ``targets`` (module.attribute) fail the test: a refusal
+    that does not need them must come first (seconds, not minutes on a real model)."""
+    import importlib
+
+    def load(*args, **kwargs):
+        pytest.fail(f"weights loaded before the export was refused ({args[:2]})")
+
+    for target in targets:
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, load)
+
+
+def _changed_copy(source: Path, directory: Path, **config_changes) -> str:
+    """A copy of the tiny model folder ``source`` whose config.json has ``config_changes``."""
+    import shutil
+
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "message"),
+    [
+        ("gemma3", {"query_pre_attn_scalar": 32}, "query_pre_attn_scalar 32 != head_dim 16"),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "does not write rope scaling"),
+        ("llama", {"model_type": "mistral"}, "supports model types .* not 'mistral'"),
+    ],
+    ids=["gemma3-config", "rope-scaling", "model-type"],
+)
+def test_gguf_export_refuses_before_the_merge(tiny_model_dirs, tmp_path, monkeypatch, arch, change, message):
+    """Before: these were refused only after the float32 LoRA merge (minutes on a real model)."""
+    from unimae.export import export
+
+    base = _changed_copy(tiny_model_dirs[arch], tmp_path / "base", **change)
+    adapter = _adapter(str(tiny_model_dirs[arch]), tmp_path / "adapter")
+    _no_weights(monkeypatch, "unimae.export.gguf.merged_model")
+    with pytest.raises(ValueError, match=message):
+        export(base, adapter, tmp_path / "model.gguf", fmt="gguf")
+    with pytest.raises(FileNotFoundError, match="is not an adapter directory"):
+        export(str(tiny_model_dirs[arch]), str(tmp_path / "missing"), tmp_path / "model.gguf", fmt="gguf")
+    assert not (tmp_path / "model.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "trained biases"),
+    ],
+    ids=["dora", "modules-to-save", "bias"],
+)
+def test_gguf_lora_refuses_before_the_base_model_loads(tiny_model_dirs, tmp_path, monkeypatch, options, message):
+    """Before: the adapter's peft config was checked only once the float32 base model had loaded."""
+    from unimae.export import export
+
+    base = str(tiny_model_dirs["llama"])
+    adapter = _adapter(base, tmp_path / "adapter", **options)
+    _no_weights(monkeypatch, "unimae.export.gguf_lora.load_model")
+    with pytest.raises(ValueError, match=message):
+        export(base, adapter, tmp_path / "adapter.gguf", fmt="gguf-lora")
+    scaled = _changed_copy(tiny_model_dirs["llama"], tmp_path / "scaled", rope_scaling={"type": "linear", "factor": 2})
+    with pytest.raises(ValueError, match="does not write rope scaling"):
+        export(scaled, _adapter(base, tmp_path / "plain"), tmp_path / "adapter.gguf", fmt="gguf-lora")
+    assert not (tmp_path / "adapter.gguf").exists()
+
+
 def test_cli_export_gguf(tiny_model_dirs, tmp_path, capsys):
     from unimae.cli import main
 

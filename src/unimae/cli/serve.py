@@ -7,7 +7,8 @@ Every :class:`~unimae.serving.config.ServerConfig` field is a flag, honoured by 
 limits and 429s). With ``--engine torch``, concurrent generations are batched in flight
 (``--max-batch-generations 8`` decoded together; ``--no-continuous-batching`` runs each on its own thread,
 ``--max-concurrent-generations`` at once); with ``--engine llama.cpp`` as many hold a generation slot and
-llama.cpp decodes up to ``--slots`` of them together.
+llama.cpp decodes up to ``--slots`` of them together, each request (prompt + new tokens, or one embedding input)
+within ``--context`` tokens.
 
 The server limits glibc malloc to two arenas before anything else (:func:`~unimae.runtime.memory.limit_arenas`;
 ``$MALLOC_ARENA_MAX`` overrides): its worker threads would otherwise each keep the free memory of their largest
@@ -46,6 +47,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--threads", type=int, help="llama.cpp engine: CPU threads (default: all cores; fewer on a shared machine)."
     )
     parser.add_argument("--slots", type=int, help="llama.cpp engine: requests decoded together (default: 4).")
+    parser.add_argument(
+        "--context",
+        type=int,
+        help="llama.cpp engine: tokens per request: a completion/chat/RAG prompt plus its max_tokens (400 beyond), "
+        "and the longest embedding input (--max-length); llama.cpp's KV cache holds --slots x this many tokens. "
+        "At most the GGUF's trained context (default: 2048, or the trained context if smaller).",
+    )
     parser.add_argument("--index", help="Also serve POST /v1/rag over this index (its model and adapter).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
@@ -72,9 +80,11 @@ def _serve(args: argparse.Namespace) -> int:
     memory.limit_arenas(2)  # before the threads that would make the arenas: the model's, the workers'
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     values["api_key"] = check_api_key(resolve_api_key(args.api_key, args.api_key_file))  # before the model loads
-    if args.engine == "torch" and (args.gguf or args.threads is not None or args.slots is not None):
+    llamacpp_only = (args.gguf, args.threads, args.slots, args.context)
+    if args.engine == "torch" and any(value is not None for value in llamacpp_only):
         raise ValueError(
-            "--gguf, --threads and --slots are for --engine llama.cpp: serve a GGUF with --engine llama.cpp --gguf FILE"
+            "--gguf, --threads, --slots and --context are for --engine llama.cpp: serve a GGUF with --engine "
+            "llama.cpp --gguf FILE"
         )
     if args.engine == "llama.cpp":
         app, config = _llamacpp_app(args, values)
@@ -118,7 +128,9 @@ def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
         from unimae.retrieval.disk_index import open_index
 
         index = open_index(args.index)
-    model = LlamaCppModel(args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots or 4)
+    model = LlamaCppModel(
+        args.gguf, max_length=args.max_length, threads=args.threads, parallel=args.slots or 4, context=args.context
+    )
     if values["model_name"] == ServerConfig.model_name:  # not given: the model it was exported from
         values["model_name"] = model.name
     config = ServerConfig(**values)

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unimae.adapter import embedding_spec
+from unimae.adapter import adapter_folder, embedding_spec
 from unimae.export.base import check_exportable
 from unimae.export.gguf import export_gguf
 from unimae.export.gguf_lora import export_gguf_lora
 from unimae.export.hf import export_folder
-from unimae.files import check_writable
 
 
 def export(
@@ -38,11 +37,12 @@ def export(
     gguf_type: str = "f16",
 ) -> Path:
     """Write the export to ``output`` (a directory; a ``.gguf`` file for ``gguf`` and ``gguf-lora``); return its
-    path. Refuses a spec ``fmt`` cannot express."""
+    path. Refuses a spec ``fmt`` cannot express, and what else it can before loading or merging weights."""
+    if adapter is not None:
+        adapter_folder(adapter)  # a wrong --adapter path fails now, not once the base model has loaded
     spec = embedding_spec(adapter)
     check_exportable(spec, fmt)
     if fmt == "gguf-lora":
-        check_writable(Path(output).parent)  # before the base model is loaded, not after
         return export_gguf_lora(model, adapter, output, gguf_type)
     if fmt == "gguf":
         return export_gguf(model, adapter, Path(output), spec, gguf_type)

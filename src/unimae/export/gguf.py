@@ -33,7 +33,7 @@ import numpy as np
 from unimae.adapter import adapter_revision, merged_model
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.files import atomic_write, check_writable, read_json
-from unimae.models import MANIFEST, OFFLINE_MODELS
+from unimae.models import MANIFEST, OFFLINE_MODELS, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,57 @@ def arch_rule(config) -> ArchRule:
     return ARCHITECTURES[config.model_type]
 
 
+def check_expressible(config, tokenizer, source: Path | None) -> ArchRule:
+    """The llama.cpp architecture of ``config``; ValueError for what a GGUF of it cannot say that is known
+    without its weights: the model type and rope scaling (:func:`arch_rule`), a ``source`` GGUF (whose metadata
+    is copied) of another architecture, and without one a Gemma 3 config llama.cpp's graph cannot run
+    (:func:`check_gemma3_expressible`) or a tokenizer with no llama.cpp pre-tokenizer."""
+    from gguf import GGUFReader
+
+    rule = arch_rule(config)
+    if source is not None:
+        found = _field(GGUFReader(source), "general.architecture")
+        if found != rule.gguf_arch:
+            raise ValueError(f"{source} is a {found!r} GGUF, not {rule.gguf_arch!r}")
+        return rule
+    if rule.gguf_arch == "gemma3":
+        check_gemma3_expressible(config)
+    llama_cpp_pre_tokenizer(tokenizer)
+    return rule
+
+
+def base_config(model: str):
+    """The transformers config of ``model``, read without its weights; None when it cannot be read here
+    (offline, a damaged cache): loading the model then reports that, as it always has."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(model))
+    except OSError:
+        return None
+
+
+def check_before_merge(model: str) -> Path | None:
+    """Refuse, in seconds, a ``model`` whose GGUF export :func:`write_gguf` would refuse after the float32
+    merge: :func:`check_expressible` on its config and tokenizer, and a llama.cpp name for every weight (from a
+    weightless copy of the model). Returns its source GGUF (see :func:`source_gguf`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source, config = source_gguf(model), base_config(model)
+    if config is None:
+        return source
+    rule = check_expressible(config, load_tokenizer(resolve_model_path(model)), source)
+    with torch.device("meta"):  # parameter names only: no memory, no weights read
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = tensor_name_map(config, rule)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for hf_name in skeleton.state_dict():
+        if not (tied and hf_name == "lm_head.weight"):
+            gguf_tensor_name(names, hf_name, config)
+    return source
+
+
 def write_gguf(
     merged,
     tokenizer,
@@ -139,11 +190,9 @@ def write_gguf(
         raise ValueError(f"a GGUF model pools the last token; this adapter embeds with {spec.describe()}")
     if out_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {out_type!r}; choose one of {GGUF_TYPES}")
-    rule = arch_rule(merged.config)
+    rule = check_expressible(merged.config, tokenizer, source)
     qtype, file_type = file_types()[out_type]
     reader = GGUFReader(source) if source is not None else None
-    if reader is not None and _field(reader, "general.architecture") != rule.gguf_arch:
-        raise ValueError(f"{source} is a {_field(reader, 'general.architecture')!r} GGUF, not {rule.gguf_arch!r}")
     tensors = list(_tensors(merged, rule, qtype))
 
     def write(tmp: Path) -> None:
@@ -229,7 +278,6 @@ def _config_metadata(writer, config, rule: ArchRule) -> None:
     """Architecture hyperparameters from a transformers config (Llama / Qwen2 family, Gemma 3)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if rule.gguf_arch == "gemma3":
-        check_gemma3_expressible(config)
         writer.add_sliding_window(config.sliding_window)
     writer.add_name(getattr(config, "_name_or_path", "") or config.model_type)
     writer.add_context_length(config.max_position_embeddings)
@@ -407,14 +455,16 @@ def encode_tensor(array: np.ndarray, qtype):
 
 def export_gguf(model: str, adapter: str | None, out: Path, spec: EmbeddingSpec, gguf_type: str) -> Path:
     """Write ``model`` with ``adapter`` merged to the new file ``out`` (``.gguf``) as ``gguf_type``; return its path.
-    The folder is checked for writing before the merge."""
+    Before minutes of merging, not after: the type, the output file and its folder, and what the GGUF cannot
+    express (:func:`check_before_merge`)."""
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of {GGUF_TYPES}")
     if out.suffix != ".gguf":
         raise ValueError(f"--output {out} must be a file name ending in .gguf for --format gguf")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new --output file")
-    check_writable(out.parent)  # before minutes of merging, not after
+    check_writable(out.parent)
+    source = check_before_merge(model)
     merged, tokenizer = merged_model(model, adapter)
     extra = {"base_model": model, "adapter_revision": adapter_revision(adapter)}
-    return write_gguf(merged, tokenizer, out, gguf_type, spec=spec, source=source_gguf(model), extra=extra)
+    return write_gguf(merged, tokenizer, out, gguf_type, spec=spec, source=source, extra=extra)

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from unimae.adapter import adapter_meta, adapter_revision, attach_adapter, embedding_spec
+from unimae.adapter import adapter_folder, adapter_meta, adapter_revision, attach_adapter, embedding_spec
 from unimae.export.base import check_exportable
 from unimae.export.gguf import (
     arch_rule,
+    base_config,
     encode_tensor,
     file_types,
     finish_gguf,
@@ -43,7 +44,7 @@ from unimae.export.gguf import (
     tensor_name_map,
     unimae_keys,
 )
-from unimae.files import atomic_write
+from unimae.files import atomic_write, check_writable
 from unimae.models import load_model
 
 LORA_TYPES = ("f32", "f16")
@@ -62,7 +63,8 @@ _INEXPRESSIBLE = {
 
 def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path, out_type: str = "f16") -> Path:
     """Write ``adapter`` (trained on base ``model``) to ``output`` as a llama.cpp LoRA-adapter GGUF; return its
-    path. ``out_type``: f32 or f16. ValueError, with nothing written, for what the format cannot express."""
+    path. ``out_type``: f32 or f16. ValueError, with nothing written, for what the format cannot express; the
+    output and what :func:`check_before_load` can tell are checked before the base model loads."""
     if adapter is None:
         raise ValueError("--format gguf-lora writes an adapter: pass --adapter DIR (the base is --format gguf)")
     if out_type not in LORA_TYPES:
@@ -72,8 +74,10 @@ def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path,
         raise ValueError(f"--output {out} must be a file name ending in .gguf for --format gguf-lora")
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new --output file")
+    check_writable(out.parent)
     spec = embedding_spec(adapter)
     check_exportable(spec, "gguf-lora")
+    check_before_load(model, Path(adapter))
     base, tokenizer, _ = load_model(model)
     rule = arch_rule(base.config)
     tensors = list(_lora_tensors(base, Path(adapter), rule, file_types()[out_type][0]))
@@ -91,6 +95,20 @@ def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path,
 
     out.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(out, write)
+
+
+def check_before_load(model: str, adapter: Path) -> None:
+    """Refuse, before the base model loads, what needs neither its weights nor its modules: a base
+    architecture the exporter does not map (:func:`~unimae.export.gguf.arch_rule`) and an adapter stage whose
+    peft config is not plain low-rank pairs (DoRA, modules_to_save, trained biases or token rows...). LoRA on a
+    layer that is not linear, or on a tied output head, is found once the adapter is attached."""
+    from peft import PeftConfig
+
+    config = base_config(model)
+    if config is not None:
+        arch_rule(config)
+    for stage in adapter_stages(adapter):
+        _check_expressible(PeftConfig.from_pretrained(str(adapter_folder(stage))), stage)
 
 
 def adapter_stages(adapter: Path) -> list[Path]:

@@ -9,6 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from unimae.adapter import ADAPTER_META, adapter_meta, merged_model, save_merged
 from unimae.embedding.rotation import load_rotation, save_rotation
 from unimae.embedding.spec import EmbeddingSpec
@@ -108,9 +110,11 @@ def append_eos_post_processor(tokenizer) -> None:
 
 def export_folder(model: str, adapter: str | None, out: Path, fmt: str, spec: EmbeddingSpec, max_length: int) -> Path:
     """Write the ``hf`` or ``sentence-transformers`` export of ``model`` + ``adapter`` into the new (or empty)
-    folder ``out`` with its model card; return ``out``. Built in a partial folder renamed into place at the end."""
+    folder ``out`` with its model card; return ``out``. Built in a partial folder renamed into place at the end.
+    The output folder and the adapter's rotation (a missing or altered one) are checked before the merge."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --output directory")
+    rotation = load_rotation(adapter, spec.rotation) if spec.rotation else None  # (D, D)
     partial = out.with_name(f".{out.name}.partial")  # built here and renamed into place once complete, so a
     shutil.rmtree(partial, ignore_errors=True)  # failed export leaves nothing at `out` and can simply be rerun
     partial.mkdir(parents=True)
@@ -118,10 +122,10 @@ def export_folder(model: str, adapter: str | None, out: Path, fmt: str, spec: Em
         if fmt == "hf":
             save_merged(model, adapter, partial)
             atomic_write_json(partial / ADAPTER_META, {"base_model": model, "embedding": spec.to_dict()})
-            if spec.rotation:  # the card tells users to multiply by it
-                save_rotation(partial, load_rotation(adapter, spec.rotation))
+            if rotation is not None:  # the card tells users to multiply by it
+                save_rotation(partial, rotation)
         else:
-            _save_sentence_transformers(model, adapter, partial, spec, max_length)
+            _save_sentence_transformers(model, adapter, partial, spec, max_length, rotation)
         (partial / "README.md").write_text(_model_card(model, adapter, fmt, spec))
     if out.exists():
         out.rmdir()  # empty (checked above)
@@ -129,7 +133,9 @@ def export_folder(model: str, adapter: str | None, out: Path, fmt: str, spec: Em
     return out
 
 
-def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, max_length: int) -> None:
+def _save_sentence_transformers(
+    model, adapter, out: Path, spec: EmbeddingSpec, max_length: int, rotation: np.ndarray | None
+) -> None:
     from sentence_transformers import SentenceTransformer, models
 
     transformer_dir = out / "_transformer"
@@ -146,7 +152,7 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
     width = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # renamed in 6.x
     pooling = models.Pooling(width(), pooling_mode=mode)
     prompts = spec.prompt_map or None  # encode_query / encode_document use the "query" / "document" prompts
-    modules = [word, pooling, *_rotation_module(adapter, spec)]
+    modules = [word, pooling, *_rotation_module(rotation)]
     SentenceTransformer(modules=modules, similarity_fn_name="cosine", prompts=prompts).save(str(out))
     shutil.rmtree(transformer_dir)
     add_legacy_pooling_keys(out, mode)
@@ -156,20 +162,18 @@ def _save_sentence_transformers(model, adapter, out: Path, spec: EmbeddingSpec, 
 LEGACY_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
 
 
-def _rotation_module(adapter, spec: EmbeddingSpec) -> list:
-    """[a Dense layer z -> R z] for an adapter with a Matryoshka rotation (:mod:`unimae.embedding.rotation`), else []:
-    the export's vectors are then rotated (every cosine unchanged) and ``truncate_dim=k`` keeps the first k
+def _rotation_module(rotation: np.ndarray | None) -> list:
+    """[a Dense layer z -> R z] for an adapter's Matryoshka ``rotation`` (:mod:`unimae.embedding.rotation`), else
+    []: the export's vectors are then rotated (every cosine unchanged) and ``truncate_dim=k`` keeps the first k
     principal coordinates, as unimae's ``dimensions=k`` does."""
-    if not spec.rotation:
+    if rotation is None:
         return []
     import torch
     from sentence_transformers import models
 
-    from unimae.embedding.rotation import load_rotation
-
-    rotation = torch.from_numpy(load_rotation(adapter, spec.rotation))  # (D, D)
     d = rotation.shape[0]
-    return [models.Dense(d, d, bias=False, activation_function=torch.nn.Identity(), init_weight=rotation)]
+    weight = torch.from_numpy(rotation)  # (D, D)
+    return [models.Dense(d, d, bias=False, activation_function=torch.nn.Identity(), init_weight=weight)]
 
 
 def add_legacy_pooling_keys(out: Path, mode: str) -> None:

@@ -69,12 +69,34 @@ def gguf_tokenizer(path: Path):
     return tokenizer
 
 
+DEFAULT_CONTEXT = 2048  # tokens per request when --context is not given (the GGUF's trained context if smaller)
+
+
+def resolve_context(requested: int | None, trained: int | None, path: Path) -> int:
+    """Tokens per request of the llama.cpp engine: ``requested`` (``--context``), or :data:`DEFAULT_CONTEXT`
+    capped at the GGUF's ``trained`` context (``{arch}.context_length``; None when the file has none).
+    ValueError for a value below 1 or over the trained context: llama.cpp would otherwise run positions the
+    model never saw (or fail deep inside)."""
+    if requested is None:
+        return min(DEFAULT_CONTEXT, trained) if trained else DEFAULT_CONTEXT
+    if requested < 1:
+        raise ValueError(f"--context must be at least 1 token, got {requested}")
+    if trained and requested > trained:
+        raise ValueError(
+            f"--context {requested} is over the {trained} tokens {path} was trained for (its context_length); "
+            f"pass --context {trained} or less"
+        )
+    return requested
+
+
 class LlamaCppModel:
     """An exported GGUF in llama.cpp: unimae ``eos`` embeddings and generation from the same weights.
 
     ``threads``: CPU threads (default: all cores; on a machine shared with other jobs use fewer, since
-    llama.cpp's threads spin at every barrier). ``parallel``: requests decoded together (llama.cpp slots),
-    each with ``context`` tokens.
+    llama.cpp's threads spin at every barrier). ``parallel``: requests decoded together (llama.cpp slots).
+    ``context``: tokens per request (see :func:`resolve_context`): a generation's prompt plus its new tokens,
+    and the longest embedding input (``max_length``); llama.cpp gets one KV cache of ``parallel * context``
+    tokens shared by the slots, and micro-batches of ``context`` tokens.
     """
 
     def __init__(
@@ -83,19 +105,13 @@ class LlamaCppModel:
         max_length: int = 512,
         threads: int | None = None,
         parallel: int = 4,
-        context: int = 2048,
+        context: int | None = None,
     ):
-        try:
-            import xllamacpp
-        except ImportError as err:
-            raise ImportError("the llama.cpp engine needs xllamacpp: pip install 'unimae[llamacpp]'") from err
         self.path = Path(gguf)
         if not self.path.is_file():
             raise FileNotFoundError(
                 f"GGUF file {self.path} does not exist; write one with `unimae export --format gguf`"
             )
-        if max_length < 2 or max_length > context:
-            raise ValueError(f"max_length must be in [2, context={context}], got {max_length}")
         self.metadata = gguf_metadata(self.path)
         arch = self.metadata.get("general.architecture")
         if self.metadata.get("general.type") == "adapter" or f"{arch}.embedding_length" not in self.metadata:
@@ -103,6 +119,17 @@ class LlamaCppModel:
                 f"{self.path} is not a model GGUF (a LoRA adapter GGUF, or no {arch}.embedding_length): serve the "
                 "merged model (`unimae export --format gguf`), or the adapter on its base in llama-server --lora"
             )
+        trained = self.metadata.get(f"{arch}.context_length")
+        self.context = resolve_context(context, None if trained is None else int(trained), self.path)
+        if not 2 <= max_length <= self.context:
+            raise ValueError(
+                f"max_length (--max-length) must be in [2, context={self.context}], got {max_length}: an embedding "
+                "input is one request; lower --max-length or raise --context"
+            )
+        try:
+            import xllamacpp
+        except ImportError as err:
+            raise ImportError("the llama.cpp engine needs xllamacpp: pip install 'unimae[llamacpp]'") from err
         if f"{KEY_PREFIX}embedding.pooling" not in self.metadata:
             logger.warning("%s was not written by `unimae export --format gguf`; assuming the EOS rule", self.path)
         self.tokenizer = gguf_tokenizer(self.path)
@@ -113,15 +140,14 @@ class LlamaCppModel:
         self.prompts = {k.removeprefix(prefix): str(v) for k, v in self.metadata.items() if k.startswith(prefix)}
         dims = str(self.metadata.get(f"{KEY_PREFIX}embedding.matryoshka_dims", ""))
         self.matryoshka_dims = tuple(int(d) for d in dims.split(",") if d)
-        self.context = min(context, int(self.metadata.get(f"{arch}.context_length", context)))  # tokens per request
         params = xllamacpp.CommonParams()
         params.model.path = str(self.path)
         params.embedding = True
         params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_LAST
         params.n_parallel = parallel
         params.kv_unified = True
-        params.n_ctx = parallel * context
-        params.n_batch = params.n_ubatch = context  # an embedding input must fit in one micro-batch
+        params.n_ctx = parallel * self.context  # one KV pool: every slot can hold a full request at once
+        params.n_batch = params.n_ubatch = self.context  # an embedding input must fit in one micro-batch
         params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads or os.cpu_count() or 1
         params.api_keys = [secrets.token_hex(16)]  # llama.cpp's own HTTP port: usable by this process only
         params.verbosity = 0
@@ -200,7 +226,8 @@ def check_index(model: LlamaCppModel, index: VectorIndex) -> None:
         )
     if manifest["max_length"] > model.context:
         raise ValueError(
-            f"the index embeds up to {manifest['max_length']} tokens, over the {model.context} per request"
+            f"the index embeds up to {manifest['max_length']} tokens, over the {model.context} per request; "
+            "raise --context (at most the GGUF's trained context)"
         )
     model.max_length = manifest["max_length"]
 
