@@ -24,6 +24,7 @@ from pathlib import Path
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
 
 logger = logging.getLogger(__name__)
+_NO_FOLDER_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF}  # file systems that cannot fsync a folder
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object], fsync: bool = False) -> Path:
@@ -43,12 +44,16 @@ def atomic_write(path: str | Path, write: Callable[[Path], object], fsync: bool 
 
 def fsync_folder(folder: str | Path) -> None:
     """Make the renames into ``folder`` last through a power cut (fsync its entries); nothing where a folder cannot
-    be opened (Windows)."""
+    be opened (Windows) or its file system cannot sync one (EINVAL/ENOTSUP on some network and FUSE mounts, as
+    SQLite tolerates): the renames stay atomic there, only not durable."""
     if not hasattr(os, "O_DIRECTORY"):
         return
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _NO_FOLDER_SYNC:
+            raise
     finally:
         os.close(fd)
 

@@ -60,30 +60,21 @@ the hashes load with a warning.
 from __future__ import annotations
 
 import contextlib
-import errno
-import functools
 import hashlib
 import io
 import json
 import logging
-import os
-import socket
-import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.vectors import finish_embeddings
 from unimae.files import atomic_write, atomic_write_json, atomic_write_text, file_sha256, fsync_folder, read_json
-
-try:
-    import fcntl
-except ImportError:  # not POSIX (Windows): builds run without the folder lock
-    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +86,6 @@ RESCORE_CODEC, RESCORE_CODES = "rescore.faiss", "rescore.npy"
 STORE_FILES = ("index.faiss", RESCORE_CODEC, RESCORE_CODES, "vectors.npy", "ivfpq.faiss", "passages.offsets.npy")
 FORMAT_VERSION = 1
 LOCK_FILE = ".unimae-build.lock"
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # a file system that cannot lock (some NFS mounts)
-_HELD: set[tuple[Path, int]] = set()  # (lock file, thread) of each build lock this process holds
 
 
 class VectorIndexError(ValueError):
@@ -325,62 +314,27 @@ def finished_manifest(directory: Path) -> dict:
 
 @contextlib.contextmanager
 def build_lock(directory: str | Path) -> Iterator[None]:
-    """Hold the build lock of the index folder ``directory`` (created if need be) for the block: an advisory
-    ``flock`` on :data:`LOCK_FILE` inside it, taken without waiting (VectorIndexError if another build holds it),
-    released on leaving the block, on an error, or when the process dies. ``--overwrite`` empties the folder's
-    shards but never deletes the folder, so the lock file can live inside it. Taken again inside the block (a
-    caller holding it across two builds) it is a no-op. Without ``fcntl`` (or on a file system that cannot lock)
-    the build runs unlocked."""
+    """Hold the build lock of the index folder ``directory`` (created if need be) for the block: a
+    :class:`filelock.FileLock` on :data:`LOCK_FILE` inside it (``flock`` on POSIX), taken without waiting
+    (VectorIndexError if another build holds it), released on leaving the block, on an error, or when the process
+    dies. ``--overwrite`` empties the folder's shards but never deletes the folder, so the lock file can live inside
+    it. Re-entrant in its thread (one lock object a path, its count per thread): a caller holding it across two
+    builds takes it again as a no-op, while another thread or process is refused."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    key = ((directory / LOCK_FILE).resolve(), threading.get_ident())
-    if key in _HELD:
-        yield
-        return
-    handle = _lock(key[0])
-    _HELD.add(key)
+    lock = FileLock(directory / LOCK_FILE, timeout=0, is_singleton=True)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise VectorIndexError(
+            f"another `unimae index` build holds the index folder {directory} (lock file {LOCK_FILE}); wait for it "
+            "to finish or stop it, or choose another --output-dir (--overwrite does not take a folder from a "
+            "running build)"
+        ) from None
     try:
         yield
     finally:
-        _HELD.discard(key)
-        if handle is not None:
-            handle.close()  # closing the file releases its flock
-
-
-def _lock(path: Path):
-    """The lock file ``path``, open and flocked (exclusive, non-blocking), naming this process; None where
-    locks are not available. VectorIndexError naming the folder if another build holds it."""
-    if fcntl is None:
-        _unlocked("this platform has no fcntl")
-        return None
-    handle = open(path, "a+", encoding="utf-8")  # held open for the whole build: closing it unlocks
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise VectorIndexError(
-            f"another `unimae index` build ({holder}) holds the index folder {path.parent} (lock file "
-            f"{path.name}); wait for it to finish or stop it, or choose another --output-dir (--overwrite does "
-            "not take a folder from a running build)"
-        ) from None
-    except OSError as err:
-        handle.close()
-        if err.errno not in _NO_LOCKS:
-            raise
-        _unlocked(f"the file system of {path.parent} cannot lock files ({err.strerror})")
-        return None
-    handle.truncate(0)
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    return handle
-
-
-@functools.cache
-def _unlocked(why: str) -> None:
-    """Log (once a reason, at debug level) that index builds take no folder lock."""
-    logger.debug("index builds run without a folder lock: %s", why)
+        lock.release()
 
 
 def begin_build(directory: Path, manifest: dict, config, overwrite: bool) -> Path:

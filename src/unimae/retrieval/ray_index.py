@@ -15,9 +15,9 @@ embeds the missing shards changes:
    does it (``encode_document(texts, normalize=True, dimensions=..., batch_size=...)``). Its vectors come back to
    the driver, which writes the shard atomically with its SHA-256 (:func:`unimae.retrieval.index.write_shard`): a
    shard is on disk whole or not at all. The rows go in jobs of ``passages_per_job`` passages, one after the
-   other, each read from the corpus when its job starts: the driver never holds more texts than one job's (a
-   ``.jsonl`` corpus is read on demand, :class:`~unimae.data.passage_file.PassageFile`), at the price of loading
-   the workers' encoders once a job;
+   other, each read from the corpus when its job starts: beyond the corpus itself (in RAM for the memory store;
+   read on demand for the disk store's ``.jsonl``, :class:`~unimae.data.passage_file.PassageFile`), the driver
+   holds one job's texts, at the price of loading the workers' encoders once a job;
 4. ``build`` runs again, finds every shard, and builds the index.
 
 Ray does the scheduling, the actor restarts and task retries after a lost worker or node, and the data
@@ -75,9 +75,10 @@ class RayConfig:
     passages_per_job: int = field(
         default=100_000,
         metadata={
-            "help": "Missing passages (rounded to whole shards) handed to one Ray Data job: the driver holds this "
-            "many texts at a time (about 100 MB of 1 KB passages), not the corpus; each job loads every worker's "
-            "encoder again, so raise it where that load is long against a job's embedding (GPUs, many workers)."
+            "help": "Missing passages (rounded to whole shards) handed to one Ray Data job: the texts the driver "
+            "sends at a time (about 100 MB of 1 KB passages; with the disk store it holds no more of the corpus); "
+            "each job loads every worker's encoder again, so raise it where that load is long against a job's "
+            "embedding (GPUs, many workers)."
         },
     )
     runtime_env: dict | None = field(
