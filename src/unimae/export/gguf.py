@@ -161,11 +161,7 @@ def check_before_merge(model: str) -> Path | None:
     rule = check_expressible(config, load_tokenizer(resolve_model_path(model)), source)
     with torch.device("meta"):  # parameter names only: no memory, no weights read
         skeleton = AutoModelForCausalLM.from_config(config)
-    names = tensor_name_map(config, rule)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    for hf_name in skeleton.state_dict():
-        if not (tied and hf_name == "lm_head.weight"):
-            gguf_tensor_name(names, hf_name, config)
+    list(_gguf_names(config, rule, skeleton.state_dict()))  # raises for a weight llama.cpp cannot name
     return source
 
 
@@ -426,15 +422,21 @@ def llama_cpp_rows(hf_name: str, array: np.ndarray, config, rule: ArchRule) -> n
     return array
 
 
-def _tensors(merged, rule: ArchRule, qtype) -> Iterator[tuple[str, np.ndarray, object]]:
-    """(GGUF name, array, GGML type) per weight, in the model's order."""
-    config = merged.config
+def _gguf_names(config, rule: ArchRule, hf_names) -> Iterator[tuple[str, str]]:
+    """(transformers name, GGUF name) of each weight a GGUF stores, in order: a tied output head is not stored
+    (llama.cpp reuses the token embedding); ValueError for a weight llama.cpp has no name for."""
     names = tensor_name_map(config, rule)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    for hf_name, tensor in merged.state_dict().items():
-        if tied and hf_name == "lm_head.weight":
-            continue
-        name = gguf_tensor_name(names, hf_name, config)
+    for hf_name in hf_names:
+        if not (tied and hf_name == "lm_head.weight"):
+            yield hf_name, gguf_tensor_name(names, hf_name, config)
+
+
+def _tensors(merged, rule: ArchRule, qtype) -> Iterator[tuple[str, np.ndarray, object]]:
+    """(GGUF name, array, GGML type) per weight, in the model's order."""
+    config, state = merged.config, merged.state_dict()
+    for hf_name, name in _gguf_names(config, rule, state):
+        tensor = state[hf_name]
         array = llama_cpp_rows(hf_name, tensor.detach().float().cpu().numpy(), config, rule)
         if rule.norm_shift and hf_name.endswith("norm.weight"):
             array = array + np.float32(rule.norm_shift)
