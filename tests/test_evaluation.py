@@ -222,27 +222,26 @@ def test_cache_returns_identical_embeddings_and_scores(
     from unimae.evaluation.embedding_cache import EmbeddingCache
     from unimae.evaluation.embeddings import evaluate_embeddings
 
-    first = evaluate_embeddings(
-        str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
-    )
-    second = evaluate_embeddings(
-        str(tiny_model_dirs["llama"]),
-        ["STSBenchmark"],
-        tmp_path,
-        data_dir=data_slice,
-        label="a",
-        encoder=tiny_encoder,
-        rerun=True,
-    )
+    def evaluate(**options):  # STSBenchmark on the tiny model, label "a", in one output folder
+        return evaluate_embeddings(
+            str(tiny_model_dirs["llama"]),
+            ["STSBenchmark"],
+            tmp_path,
+            data_dir=data_slice,
+            label="a",
+            encoder=tiny_encoder,
+            **options,
+        )
+
+    first = evaluate()
+    second = evaluate(rerun=True)
     assert (
         first.cache_misses > 0
         and second.cache_misses == 0
         and second.cache_hits == first.cache_hits + first.cache_misses
     )
     assert first.scores == second.scores
-    resumed = evaluate_embeddings(  # the task's JSON exists for this model: not run again
-        str(tiny_model_dirs["llama"]), ["STSBenchmark"], tmp_path, data_dir=data_slice, label="a", encoder=tiny_encoder
-    )
+    resumed = evaluate()  # the task's JSON exists for this model: not run again
     assert resumed.cache_hits == resumed.cache_misses == 0
     assert resumed.scores == pytest.approx(first.scores, abs=1e-6)
     embedded, encode = [], tiny_encoder.encode
@@ -252,16 +251,7 @@ def test_cache_returns_identical_embeddings_and_scores(
         return encode(texts, **options)
 
     monkeypatch.setattr(tiny_encoder, "encode", counted)
-    bypassed = evaluate_embeddings(  # --rerun --no-cache: every text embedded again, though all are cached
-        str(tiny_model_dirs["llama"]),
-        ["STSBenchmark"],
-        tmp_path,
-        data_dir=data_slice,
-        label="a",
-        encoder=tiny_encoder,
-        rerun=True,
-        use_cache=False,
-    )
+    bypassed = evaluate(rerun=True, use_cache=False)  # --no-cache: every text embedded again, though all are cached
     assert bypassed.cache_hits == bypassed.cache_misses == 0
     assert len(embedded) == first.cache_hits + first.cache_misses  # each text of each lookup
     assert bypassed.scores == pytest.approx(first.scores, abs=1e-6)  # batched otherwise: rounding may differ
