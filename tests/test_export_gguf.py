@@ -477,6 +477,26 @@ def test_gguf_lora_refuses_what_a_llama_cpp_adapter_cannot_express(tiny_model_di
     assert not (tmp_path / "adapter.gguf").exists(), "nothing written"
 
 
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (["embed_tokens", "q_proj"], "LoRA on model.embed_tokens \\(Embedding\\)"),
+        (["lm_head", "q_proj"], "output head of a model with tied embeddings"),
+    ],
+    ids=["embedding", "tied-head"],
+)
+def test_gguf_lora_refuses_embedding_and_tied_head_lora_before_the_base_loads(
+    tiny_model_dirs, tmp_path, monkeypatch, targets, message
+):
+    import unimae.export.gguf_lora as gguf_lora
+
+    base = str(tiny_model_dirs["llama"])
+    adapter = _adapter(base, tmp_path / "adapter", target_modules=targets)
+    monkeypatch.setattr(gguf_lora, "load_model", lambda *args, **kwargs: pytest.fail("the base model was loaded"))
+    with pytest.raises(ValueError, match=message):
+        gguf_lora.export_gguf_lora(base, adapter, tmp_path / "adapter.gguf")
+
+
 def test_cli_export_gguf_lora(merged_tiny, tmp_path, capsys):
     from unimae.cli import main
 

@@ -100,15 +100,18 @@ def export_gguf_lora(model: str, adapter: str | Path | None, output: str | Path,
 def check_before_load(model: str, adapter: Path) -> None:
     """Refuse, before the base model loads, what needs neither its weights nor its modules: a base
     architecture the exporter does not map (:func:`~unimae.export.gguf.arch_rule`) and an adapter stage whose
-    peft config is not plain low-rank pairs (DoRA, modules_to_save, trained biases or token rows...). LoRA on a
-    layer that is not linear, or on a tied output head, is found once the adapter is attached."""
+    peft config is not plain low-rank pairs (DoRA, modules_to_save, trained biases or token rows...), and, from
+    the names of its stored weights, LoRA on an embedding layer or on a tied output head. LoRA on another layer
+    that is not linear is found once the adapter is attached."""
     from peft import PeftConfig
 
     config = base_config(model)
     if config is not None:
         arch_rule(config)
+    tied = config is not None and bool(getattr(config, "tie_word_embeddings", False))
     for stage in adapter_stages(adapter):
         _check_expressible(PeftConfig.from_pretrained(str(adapter_folder(stage))), stage)
+        _check_weight_names(stage, tied)
 
 
 def adapter_stages(adapter: Path) -> list[Path]:
@@ -133,8 +136,7 @@ def low_rank_pairs(model, adapter: Path) -> dict[str, list[tuple[np.ndarray, np.
             if not isinstance(module, LoraLayer):
                 continue
             if not isinstance(module, Linear):
-                kind = type(module.get_base_layer()).__name__
-                raise ValueError(f"adapter {stage} puts LoRA on {name} ({kind}), not a linear layer; {_MERGED_INSTEAD}")
+                raise ValueError(_not_linear(stage, name, type(module.get_base_layer()).__name__))
             for key in module.active_adapters:
                 a = module.lora_A[key].weight.detach().float().cpu().numpy()  # (r, n_in)
                 b = module.lora_B[key].weight.detach().float().cpu().numpy() * module.scaling[key]  # (n_out, r)
@@ -158,6 +160,37 @@ def _check_expressible(config, stage: Path) -> None:
         )
 
 
+def _check_weight_names(stage: Path, tied: bool) -> None:
+    """Refuse, from the tensor names in the stage's weights file alone, LoRA on an embedding layer (peft stores
+    its pairs as ``lora_embedding_A/B``) and, where the base ties its embeddings (``tied``), on ``lm_head``. A
+    weights file that is not safetensors, or cannot be read, is left to the adapter's load to report."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = adapter_folder(stage) / "adapter_model.safetensors"
+    try:
+        with safe_open(str(weights), "np") as stored:
+            keys = list(stored.keys())
+    except (OSError, SafetensorError):
+        return
+    for key in keys:  # e.g. base_model.model.model.embed_tokens.lora_embedding_A
+        module, _, kind = key.removeprefix("base_model.model.").partition(".lora_")
+        if kind.startswith("embedding_"):
+            raise ValueError(_not_linear(stage, module, "Embedding"))
+        if tied and module == "lm_head":
+            raise ValueError(_tied_head(stage))
+
+
+def _not_linear(stage: Path, module: str, kind: str) -> str:
+    return f"adapter {stage} puts LoRA on {module} ({kind}), not a linear layer; {_MERGED_INSTEAD}"
+
+
+def _tied_head(stage: Path) -> str:
+    return (
+        f"adapter {stage} puts LoRA on the output head of a model with tied embeddings; its GGUF has no output "
+        f"tensor (llama.cpp reuses token_embd.weight); {_MERGED_INSTEAD}"
+    )
+
+
 def _lora_tensors(model, adapter: Path, rule, qtype) -> Iterator[tuple[str, np.ndarray, object]]:
     """(GGUF name, array, GGML type) of each adapted weight's ``.lora_a`` and ``.lora_b``, in model order."""
     config = model.config
@@ -165,10 +198,7 @@ def _lora_tensors(model, adapter: Path, rule, qtype) -> Iterator[tuple[str, np.n
     tied = bool(getattr(config, "tie_word_embeddings", False))
     for hf_name, stages in low_rank_pairs(model, adapter).items():
         if tied and hf_name == "lm_head.weight":
-            raise ValueError(
-                f"adapter {adapter} puts LoRA on the output head of a model with tied embeddings; its GGUF has no "
-                f"output tensor (llama.cpp reuses token_embd.weight); {_MERGED_INSTEAD}"
-            )
+            raise ValueError(_tied_head(adapter))
         name = gguf_tensor_name(names, hf_name, config)
         a = np.concatenate([a for a, _ in stages], axis=0)  # (r_total, n_in)
         b = llama_cpp_rows(hf_name, np.concatenate([b for _, b in stages], axis=1), config, rule)  # (n_out, r_total)
