@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: embeddings, completions, chat and RAG from ONE loaded model.
 
 Routes: ``POST /v1/embeddings``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming),
-``POST /v1/rag`` (with ``--index``), ``GET /v1/models``, ``GET /health``. Every error is an OpenAI-style
-body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests.
+``POST /v1/rag`` (with ``--index``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. Every error is
+an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests. With
+``--cors-origins``, Starlette's CORS middleware runs first: it answers a browser's preflight ``OPTIONS`` before the
+API key is asked for (a preflight never carries it) and adds its headers to every response, errors included.
 
 Model work runs on one thread, the model lock's (see ``model_lock.py``); parsing and tokenizing a request run in
 worker threads (a body of a few MB would otherwise stall every other request). Embedding requests go through a
@@ -32,6 +34,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -69,6 +72,8 @@ def create_app(
         RequestGuard, limit=config.max_body_bytes, api_key=config.api_key, body_timeout=config.body_timeout_s
     )
     app.add_middleware(HeapRelease)  # outside the guard: counts what the guard let in, as the route read it
+    if origins := config.cors_origin_list():  # outermost: a preflight is answered before the guard asks for a key
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     return app
 
 

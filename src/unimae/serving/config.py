@@ -1,4 +1,4 @@
-"""Settings of ``unimae serve``: served model id, API key, request limits, batching (one flag each)."""
+"""Settings of ``unimae serve``: served model id, API key, CORS, request limits, batching (one flag each)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,24 @@ class ServerConfig:
         },
     )
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY' (not /health)."})
-    max_inputs: int = field(default=256, metadata={"help": "Most texts in one embeddings request."})
+    cors_origins: str | None = field(
+        default=None,
+        metadata={
+            "help": "Browser origins allowed to call the API, comma-separated (https://app.example.com), or '*' "
+            "for any: CORS headers, and preflight OPTIONS answered before the API key is checked. Off when not given."
+        },
+    )
+    max_inputs: int = field(
+        default=2048,
+        metadata={"help": "Most texts in one embeddings request (OpenAI's limit)."},
+    )
+    max_prompts: int = field(
+        default=32,
+        metadata={
+            "help": "Most prompts in one completions request (a list of prompts: generated one after another in "
+            "the request's one slot; LangChain's default batch of 20 fits)."
+        },
+    )
     on_too_long: str = field(
         default="truncate",
         metadata={"help": "Input over max_length tokens: truncate or error.", "choices": ("truncate", "error")},
@@ -42,8 +59,11 @@ class ServerConfig:
     )
     max_queued_generations: int = field(default=32, metadata={"help": "Generations waiting; more get 429."})
     max_request_tokens: int = field(
-        default=256 * 512,
-        metadata={"help": "Most tokens (after truncation, with special tokens) in one embeddings request; 413 beyond."},
+        default=300_000,
+        metadata={
+            "help": "Most tokens (after truncation, with special tokens) in one embeddings request; 413 beyond "
+            "(OpenAI's limit)."
+        },
     )
     embed_chunk_tokens: int = field(
         default=512,
@@ -73,6 +93,7 @@ class ServerConfig:
     def __post_init__(self):
         positive = (
             "max_inputs",
+            "max_prompts",
             "max_body_bytes",
             "max_new_tokens",
             "max_batch_generations",
@@ -90,6 +111,16 @@ class ServerConfig:
         if self.on_too_long not in ("truncate", "error"):
             raise ValueError(f"on_too_long must be 'truncate' or 'error', got {self.on_too_long!r}")
         check_api_key(self.api_key)
+        self.cors_origin_list()
+
+    def cors_origin_list(self) -> list[str]:
+        """The origins of ``cors_origins`` (none: CORS is off); a ValueError for an empty one ("a,,b")."""
+        if self.cors_origins is None:
+            return []
+        origins = [origin.strip() for origin in self.cors_origins.split(",")]
+        if not all(origins):
+            raise ValueError(f"cors_origins must be comma-separated origins or '*', got {self.cors_origins!r}")
+        return origins
 
 
 def check_api_key(key: str | None) -> str | None:

@@ -317,8 +317,8 @@ class LlamaCppEngine:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if params.seed is not None:
-            request["seed"] = params.seed
+        if params.seed is not None:  # llama.cpp's seed is 32 bits and 0xFFFFFFFF means "random": kept below it
+            request["seed"] = params.seed % 0xFFFFFFFF
         return self._stream(request, len(ids), cancel)
 
     def _stream(self, request: dict, prompt_tokens: int, cancel: threading.Event) -> Iterator[str | GenerationResult]:

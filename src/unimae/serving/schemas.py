@@ -2,7 +2,10 @@
 OpenAI-style error body.
 
 Only what unimae serves is accepted; unknown fields are ignored as OpenAI clients send extras
-(``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes. A string
+(``user``, ``logit_bias`` ...). Values outside what the model can do are 400s, not silent changes: tool calling
+(``tools``, ``functions``, tool messages), structured output (``response_format`` other than text) and
+logprobs (``echo`` too) are refused naming the field, not answered as if they had not been asked. An explicit
+``null`` on an optional field means its default (the OpenAI spec marks them nullable). A string
 that UTF-8 cannot encode (JSON allows a lone UTF-16 surrogate such as ``"\\ud800"``; the tokenizer and the
 response encoder do not) is a 400 naming its field, wherever it is in the body. An embedding the model gave as
 NaN or infinite is never sent (as a 500 from the JSON encoder, or as NaN bytes in base64): it is a 422 naming
@@ -12,14 +15,15 @@ the input and the cause; so is a generation whose next-token scores are NaN or i
 from __future__ import annotations
 
 import base64
+import io
 import json
 import logging
 import re
 from collections.abc import Iterator
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, Field, StrictInt, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -130,7 +134,24 @@ def _as_list(value, name: str) -> list[str]:
     return items
 
 
-class EmbeddingRequest(BaseModel):
+class _Body(BaseModel):
+    """A request body: a JSON ``null`` on a field that has a default means that default, as if left out (the
+    OpenAI spec marks them nullable, and the openai SDK sends ``null`` for a ``None`` a wrapper passes on)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+NO_TOOLS = "this server does not do tool calling (no tools, functions, tool calls or tool results)"
+NO_LOGPROBS = "this server does not return logprobs"
+
+
+class EmbeddingRequest(_Body):
     input: str | list = Field(description="A text or a list of texts.")
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -139,17 +160,17 @@ class EmbeddingRequest(BaseModel):
         default=None, description="'query' or 'document': embed with the model's prompt of that name (if it has one)."
     )
 
-    @field_validator("input")
+    @field_validator("input", mode="before")
     @classmethod
     def _texts(cls, value):
         return _as_list(value, "input")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Body):
     include_usage: bool = False  # a last chunk with the usage and no choices, as OpenAI sends it
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # "NaN": "a finite number"
@@ -158,7 +179,18 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # OpenAI's int64; see sampling_seed
+    response_format: dict | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value.get("type") != "text":
+            raise ValueError(
+                f"structured output (type {value.get('type')!r}) is not supported: this server generates free text "
+                'only; leave response_format out or send {"type": "text"}'
+            )
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -174,27 +206,53 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def sampling_seed(self) -> int | None:
+        """``seed`` as the generator takes it: an int64 (negative ones too) mapped onto [0, 2**64), one to one."""
+        return None if self.seed is None else self.seed % 2**64
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list
+    prompt: str | list  # one text or several (one choice each); token arrays are refused
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value):
-        prompts = _as_list(value, "prompt")
-        if len(prompts) != 1:
-            raise ValueError("send one prompt per request (a list of several prompts is not supported)")
-        return prompts[0]
+        return _as_list(value, "prompt")
+
+    @field_validator("logprobs", "echo")
+    @classmethod
+    def _no_logprobs(cls, value, info):
+        if value:  # echo returns the prompt with its logprobs
+            raise ValueError(f"{NO_LOGPROBS} ({info.field_name} is not supported); leave it out, or send 0 / false")
+        return value
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list | None = None
+    tool_calls: list | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_results(cls, value):
+        if value in ("tool", "function"):
+            raise ValueError(f"{NO_TOOLS}: a message of role {value!r} (a tool's result) cannot be answered")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value):
+        if value:
+            raise ValueError(f"{NO_TOOLS}: an assistant message cannot carry tool_calls")
+        return value
 
     @field_validator("content")
     @classmethod
     def _text(cls, value):
-        """Text, or OpenAI content parts of type "text" (joined); other part types are refused."""
+        """Text, or OpenAI content parts of type "text" (joined by newlines); other part types are refused."""
         if value is None or isinstance(value, str):
             return value or ""
         texts = []
@@ -202,7 +260,7 @@ class ChatMessage(BaseModel):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"content[{i}]: only text parts are supported")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins them
 
     def as_template_message(self) -> dict:
         return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
@@ -211,13 +269,35 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tool_choice: str | dict | None = None  # before tools and functions: their validators read it
+    function_call: str | dict | None = None
+    tools: list | None = None
+    functions: list | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value, info):
+        if value:
+            raise ValueError(f"{NO_LOGPROBS} ({info.field_name} is not supported); leave it out, or send false / 0")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        """Tools the model may call are refused, unless the request says not to call any (choice "none")."""
+        choice = "tool_choice" if info.field_name == "tools" else "function_call"
+        if value and info.data.get(choice) != "none":
+            raise ValueError(f'{NO_TOOLS}; send the request without {info.field_name} (or with {choice} "none")')
+        return value
 
     def model_post_init(self, context) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
 
 
-class RAGRequest(BaseModel):
+class RAGRequest(_Body):
     query: str = Field(min_length=1, max_length=4000)
     model: str | None = None  # as on the OpenAI routes: another model's name is a 404
     k: int = Field(default=3, ge=1, le=50)
@@ -250,20 +330,29 @@ def check_dimensions(dimensions: int | None, full: int, trained: tuple[int, ...]
         )
 
 
-def embeddings_body(model: str, vectors: np.ndarray, encoding_format: str, tokens: int) -> dict:
-    """The OpenAI embeddings response for (N, D) ``vectors``: float lists, or base64 of little-endian float32;
-    ``usage`` counts the ``tokens`` embedded. 422 if a vector holds NaN or infinite values."""
+def embeddings_json(model: str, vectors: np.ndarray, encoding_format: str, tokens: int) -> bytes:
+    """The OpenAI embeddings response for (N, D) ``vectors``, as compact JSON: float lists, or base64 of
+    little-endian float32; ``usage`` counts the ``tokens`` embedded. 422 if a vector holds NaN or infinite values.
+
+    Written row by row: its peak memory is about the body's size (2048 x 576 floats: 23 MB), where the whole body
+    as Python floats first, then as JSON pieces, took 3.5 times that."""
     check_finite_vectors(vectors)
-    if encoding_format == "base64":
-        encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
-    else:
-        encoded = vectors.tolist()
-    return {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-        "model": model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    out = io.BytesIO()
+    out.write(b'{"object":"list","data":[')
+    for i, vector in enumerate(vectors):
+        if encoding_format == "base64":
+            encoded = base64.b64encode(vector.astype("<f4").tobytes()).decode()
+        else:
+            encoded = vector.tolist()
+        out.write(b"," if i else b"")
+        out.write(_json({"object": "embedding", "index": i, "embedding": encoded}))
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    out.write(b'],"model":' + _json(model) + b',"usage":' + _json(usage) + b"}")
+    return out.getvalue()
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def check_finite_vectors(vectors: np.ndarray) -> None:
@@ -296,4 +385,9 @@ def non_finite_logits(err: Exception) -> APIError:
 
 def models_body(model: str) -> dict:
     """``GET /v1/models``: the one model a server serves."""
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "unimae"}]}
+    return {"object": "list", "data": [model_body(model)]}
+
+
+def model_body(model: str) -> dict:
+    """``GET /v1/models/{model}``: the served model, in OpenAI's model object."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "unimae"}

@@ -90,7 +90,11 @@ class ServerState:
                 "max_tokens",
             )
         return GenerationParams(
-            max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stop, seed=body.seed
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stop,
+            seed=body.sampling_seed,
         )
 
 

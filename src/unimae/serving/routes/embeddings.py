@@ -3,13 +3,12 @@
 Parsing, checking and tokenizing run in a worker thread (a 4 MB body takes seconds to tokenize), then the
 token ids go to the :class:`~unimae.serving.batcher.DynamicBatcher`, which embeds them in token-budgeted
 chunks between other requests. A client that disconnects while it waits cancels its request: the batcher
-drops its chunks not yet run. The response body is rendered in a worker thread too (256 x D floats as JSON).
+drops its chunks not yet run. The response body is rendered in a worker thread too (2048 x D floats as JSON).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
@@ -18,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from unimae.embedding.pooling import PooledInput
 from unimae.embedding.vectors import finish_embeddings
 from unimae.serving.disconnect import client_gone, unless_gone
-from unimae.serving.schemas import APIError, EmbeddingRequest, check_dimensions, embeddings_body, parse_body
+from unimae.serving.schemas import APIError, EmbeddingRequest, check_dimensions, embeddings_json, parse_body
 from unimae.serving.state import ServerState, StateDep
 
 router = APIRouter()
@@ -38,8 +37,9 @@ async def embeddings(request: Request, state: StateDep) -> Response:
 
 
 def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[PooledInput]]:
-    """The parsed body and its model inputs; 400 for a bad body, too many inputs, empty ones or (if so set)
-    too long ones, 413 for more tokens than ``max_request_tokens``."""
+    """The parsed body and its model inputs; 400 for a bad body, too many inputs, empty ones ("", not
+    whitespace: the Encoder embeds that as BOS/EOS only) or (if so set) too long ones, 413 for more tokens
+    than ``max_request_tokens``."""
     body = parse_body(raw, EmbeddingRequest)
     state.check_model(body.model)
     texts, config, engine = body.input, state.config, state.engine
@@ -47,7 +47,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[EmbeddingRequest, list[Poo
         raise APIError(400, f"{len(texts)} inputs; this server takes at most {config.max_inputs} per request", "input")
     check_dimensions(body.dimensions, engine.embedding_dim, engine.matryoshka_dims, engine.rotation is not None)
     for i, text in enumerate(texts):
-        if not text.strip():
+        if not text:
             raise APIError(400, f"input[{i}] is empty", "input")
     inputs = state.embedding_inputs(texts, body.input_type)
     for i, item in enumerate(inputs):
@@ -74,5 +74,4 @@ def _render(state: ServerState, body: EmbeddingRequest, inputs: list[PooledInput
     """The response body as JSON bytes; ``usage`` counts the tokens embedded (after truncation, with specials)."""
     tokens = sum(len(item.ids) for item in inputs)
     vectors = finish_embeddings(vectors, body.dimensions, True, rotation=state.engine.rotation)  # (N, k) unit rows
-    payload = embeddings_body(state.config.model_name, vectors, body.encoding_format, tokens)
-    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return embeddings_json(state.config.model_name, vectors, body.encoding_format, tokens)

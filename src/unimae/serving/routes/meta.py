@@ -1,11 +1,11 @@
 """``GET /health`` (liveness, the engine, the generation slots, the embedding batcher's and the engine's
-generation counters; the only route that needs no API key) and ``GET /v1/models``."""
+generation counters; the only route that needs no API key), ``GET /v1/models`` and ``GET /v1/models/{id}``."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from unimae.serving.schemas import models_body
+from unimae.serving.schemas import model_body, models_body
 from unimae.serving.state import StateDep
 
 router = APIRouter()
@@ -27,3 +27,10 @@ async def health(state: StateDep) -> dict:
 @router.get("/v1/models", response_model=None)
 async def models(state: StateDep) -> dict:
     return models_body(state.config.model_name)
+
+
+@router.get("/v1/models/{model_id:path}", response_model=None)  # path: a Hugging Face id has a "/"
+async def model(model_id: str, state: StateDep) -> dict:
+    """The served model; 404 (``model_not_found``) for any other id."""
+    state.check_model(model_id)
+    return model_body(state.config.model_name)
