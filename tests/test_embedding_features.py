@@ -347,14 +347,14 @@ def test_init_lora_starts_one_lora_where_the_merged_stage_would(tiny_model_dirs,
         train(_config(tiny, data, tmp_path / "rows", init_lora=str(tokens)))
 
 
-def test_encode_names_sentence_transformers_spellings_instead_of_ignoring_them(tiny_model_dirs):
+def test_encode_takes_sentence_transformers_spellings_instead_of_ignoring_them(tiny_model_dirs):
     """Before: ``normalize_embeddings=True`` was swallowed by ``**quantize_options`` and the vectors came back
-    unnormalised."""
+    unnormalised. Now sentence-transformers' spellings are taken (tests/test_encoder.py) and others refused."""
     enc = _encoder(tiny_model_dirs["llama"], prompts={"query": QUERY})
-    with pytest.raises(TypeError, match=r"normalize_embeddings \(use normalize\), truncate_dim \(use dimensions\)"):
-        enc.encode(["x"], normalize_embeddings=True, truncate_dim=8)
-    with pytest.raises(TypeError, match="encode_query sets prompt_name"):
-        enc.encode_query(["x"], prompt_name="query")
+    normalized = enc.encode(["x", "a dog"], normalize_embeddings=True, truncate_dim=8)
+    np.testing.assert_array_equal(normalized, enc.encode(["x", "a dog"], normalize=True, dimensions=8))
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments: normalise_embeddings"):  # a misspelling
+        enc.encode(["x"], normalise_embeddings=True)
     full = enc.encode(["one text", "two"])
     np.testing.assert_array_equal(enc.encode(["one text", "two"], dimensions=np.int64(8)), full[:, :8])
 

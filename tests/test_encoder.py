@@ -113,3 +113,133 @@ def test_unmerged_bf16_adapter_skips_peft_upcast_with_identical_embeddings(tiny_
     assert np.array_equal(skipped, enc.encode(SENTENCES[:6]))
     base = Encoder.from_pretrained(str(tiny), precision="bf16").encode(SENTENCES[:6])
     assert not np.allclose(skipped, base, atol=1e-3)  # the adapter is really applied
+
+
+# sentence-transformers' SentenceTransformer API on an Encoder (the export-side parity: tests/test_export.py)
+
+
+def _st_encoder(tiny_model_dirs, **kwargs) -> Encoder:
+    from unimae.embedding.spec import EmbeddingSpec
+
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    spec = EmbeddingSpec(prompts={"query": "q: ", "document": "d: "}, matryoshka_dims=(8,))
+    kwargs = {"precision": "fp32", "device": "cpu", "max_length": 32, **kwargs}
+    return Encoder(model, tokenizer, spec=spec, **kwargs)
+
+
+def test_sentence_transformers_encode_keywords_map_to_the_encoders_own(tiny_model_dirs):
+    """Before: each was a TypeError naming unimae's spelling."""
+    enc = _st_encoder(tiny_model_dirs)
+    texts = SENTENCES[:3]
+    same = np.testing.assert_array_equal
+    same(enc.encode(texts, normalize_embeddings=True), enc.encode(texts, normalize=True))
+    same(enc.encode(texts, truncate_dim=8), enc.encode(texts, dimensions=8))
+    same(enc.encode(sentences=texts), enc.encode(texts))  # sentence-transformers <= 5 names the texts so
+    same(enc.encode(inputs=texts), enc.encode(texts))  # ... and 6.x so
+    same(enc.encode(texts, show_progress_bar=False, output_value="sentence_embedding"), enc.encode(texts))
+    both = enc.encode(texts, convert_to_numpy=True, normalize=True, normalize_embeddings=True)  # the same value
+    same(both, enc.encode(texts, normalize=True))
+    same(enc.encode(texts, 2, normalize_embeddings=None), enc.encode(texts))  # None: not given, as there
+    same(enc.encode_query(texts, normalize_embeddings=True), enc.encode(texts, prompt="q: ", normalize=True))
+
+
+def test_both_spellings_with_different_values_and_unknown_options_are_refused(tiny_model_dirs):
+    enc = _st_encoder(tiny_model_dirs)
+    with pytest.raises(TypeError, match="got normalize and normalize_embeddings"):
+        enc.encode(["x"], normalize=False, normalize_embeddings=True)
+    with pytest.raises(TypeError, match="got dimensions and truncate_dim"):
+        enc.encode(["x"], dimensions=8, truncate_dim=16)
+    with pytest.raises(TypeError, match="got texts and sentences"):
+        enc.encode(["x"], sentences=["y"])
+    with pytest.raises(TypeError, match="needs the texts"):
+        enc.encode(normalize=True)
+    with pytest.raises(ValueError, match="returns sentence embeddings only"):
+        enc.encode(["x"], output_value="token_embeddings")
+    with pytest.raises(TypeError, match=r"device \(use Encoder.from_pretrained\(device=...\)\), pool"):
+        enc.encode(["x"], device="cpu", pool={})
+    with pytest.raises(TypeError, match="pass prompt_name=... by keyword"):  # sentence-transformers' 2nd parameter
+        enc.encode(["x"], "query")
+
+
+def test_convert_to_tensor_and_to_a_list_of_tensors(tiny_model_dirs):
+    enc = _st_encoder(tiny_model_dirs)
+    texts = SENTENCES[:3]
+    vectors = enc.encode(texts, normalize=True)
+    tensor = enc.encode(texts, normalize_embeddings=True, convert_to_tensor=True)
+    assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.device == enc.device
+    np.testing.assert_array_equal(tensor.numpy(), vectors)
+    rows = enc.encode(texts, normalize=True, convert_to_numpy=False)
+    assert isinstance(rows, list) and len(rows) == 3 and all(isinstance(r, torch.Tensor) for r in rows)
+    np.testing.assert_array_equal(torch.stack(rows).numpy(), vectors)
+    one = enc.encode("the cat", convert_to_tensor=True)
+    assert isinstance(one, torch.Tensor) and one.shape == (enc.embedding_dim,)
+    assert isinstance(enc.encode("the cat", convert_to_numpy=False), torch.Tensor)  # one text: one tensor
+    bits = enc.encode(texts, precision="ubinary", convert_to_tensor=True)
+    assert bits.dtype == torch.uint8 and bits.device.type == "cpu"
+    np.testing.assert_array_equal(bits.numpy(), enc.encode(texts, precision="ubinary"))
+
+
+def test_similarity_is_sentence_transformers_cosine(tiny_model_dirs):
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers.util import cos_sim, pairwise_cos_sim
+
+    enc = _st_encoder(tiny_model_dirs)
+    a, b = enc.encode(SENTENCES[:3]), enc.encode(SENTENCES[3:5])
+    assert enc.similarity_fn_name == "cosine"
+    scores = enc.similarity(a, b)
+    assert isinstance(scores, torch.Tensor) and scores.shape == (3, 2)
+    torch.testing.assert_close(scores, cos_sim(a, b))
+    torch.testing.assert_close(enc.similarity(torch.from_numpy(a), list(b)), scores)  # tensors, lists of arrays
+    torch.testing.assert_close(enc.similarity(a[0], b), scores[:1])  # a 1-D vector is one row
+    torch.testing.assert_close(enc.similarity_pairwise(a[:2], b), pairwise_cos_sim(a[:2], b))
+    assert torch.allclose(enc.similarity(a, a).diagonal(), torch.ones(3))
+
+
+def test_truncate_dim_is_a_call_option_not_a_load_option(tiny_model_dirs):
+    enc = _st_encoder(tiny_model_dirs)
+    assert enc.get_sentence_embedding_dimension() == enc.get_embedding_dimension() == enc.embedding_dim
+    with pytest.raises(TypeError, match="truncate_dim \\(pass truncate_dim= \\(or dimensions=\\) to encode"):
+        Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", truncate_dim=8)
+
+
+def test_max_seq_length_prompts_and_default_prompt_name(tiny_model_dirs):
+    enc = _st_encoder(tiny_model_dirs)
+    assert enc.max_seq_length == enc.max_length == 32
+    long = " ".join(SENTENCES)
+    with pytest.warns(UserWarning, match="truncated"):
+        whole = enc.encode(long)
+        enc.max_seq_length = 4
+        cut = enc.encode(long)
+        np.testing.assert_array_equal(cut, _st_encoder(tiny_model_dirs, max_length=4).encode(long))
+    assert enc.max_length == 4 and not np.array_equal(cut, whole)
+    with pytest.raises(ValueError, match="max_seq_length must be a positive integer"):
+        enc.max_seq_length = 0
+    assert dict(enc.prompts) == {"query": "q: ", "document": "d: "} and enc.default_prompt_name is None
+    with pytest.raises(TypeError):  # read-only: a changed copy would change nothing
+        enc.prompts["query"] = "other: "
+
+
+def test_encode_query_takes_a_prompt_name_or_prompt_as_sentence_transformers_does(tiny_model_dirs):
+    """Before: ``encode_query(prompt_name=...)`` was a TypeError."""
+    enc = _st_encoder(tiny_model_dirs)
+    texts = SENTENCES[:2]
+    np.testing.assert_array_equal(enc.encode_query(texts), enc.encode(texts, prompt="q: "))
+    np.testing.assert_array_equal(enc.encode_document(texts), enc.encode(texts, prompt="d: "))
+    np.testing.assert_array_equal(enc.encode_query(texts, prompt_name="document"), enc.encode_document(texts))
+    np.testing.assert_array_equal(enc.encode_document(texts, prompt="x: "), enc.encode(texts, prompt="x: "))
+    np.testing.assert_array_equal(enc.encode_query(sentences=texts), enc.encode_query(texts))
+
+
+def test_load_options_an_encoder_would_ignore_are_refused(tiny_model_dirs):
+    """Before: ``from_pretrained(model, prompts=...)`` (or any unknown keyword) was passed on as a pooling option
+    and silently ignored, since the adapter's spec holds the pooling options."""
+    from unimae.embedding.spec import EmbeddingSpec
+
+    tiny = str(tiny_model_dirs["llama"])
+    with pytest.raises(TypeError, match=r"prompts \(the adapter's own come from its unimae.json"):
+        Encoder.from_pretrained(tiny, prompts={"query": "q: "})
+    with pytest.raises(TypeError, match="unexpected keyword arguments: trust_remote_code"):
+        Encoder.from_pretrained(tiny, trust_remote_code=True)
+    model, tokenizer, _ = load_model(tiny, dtype=torch.float32)
+    with pytest.raises(TypeError, match="similarity_fn_name"):
+        Encoder(model, tokenizer, spec=EmbeddingSpec(), similarity_fn_name="dot")

@@ -2,7 +2,9 @@
 
 import json
 
+import numpy as np
 import pytest
+import torch
 from conftest import SENTENCES
 
 TEXTS = SENTENCES[:5] + ["", "a"]
@@ -135,3 +137,46 @@ def test_mean_adapter_exports_mean_pooling_and_hf_card_states_the_spec(tiny_mode
     texts = SENTENCES[:4]
     theirs = SentenceTransformer(str(out), device="cpu").encode(texts, normalize_embeddings=True)
     assert (ours.encode(texts, normalize=True) * theirs).sum(1).min() >= 0.9999
+
+
+def test_sentence_transformers_export_carries_prompts_and_loads_with_truncate_dim(tiny_model_dirs, tmp_path):
+    """The export's ``config_sentence_transformers.json`` holds the adapter's prompts (no default prompt), and a
+    user who loads it as sentence-transformers users do (``truncate_dim`` at load, ``encode_query``, their
+    keywords, ``similarity``) gets what the Encoder gives for the same calls."""
+    from sentence_transformers import SentenceTransformer
+
+    from unimae.embedding.spec import EmbeddingSpec
+    from unimae.encoder import Encoder
+    from unimae.export import export
+
+    tiny = str(tiny_model_dirs["llama"])
+    prompts = {"query": "Instruct: find the passage\nQuery: ", "document": ""}
+    spec = EmbeddingSpec(prompts=prompts, matryoshka_dims=(8, 16))
+    adapter = _adapter_with_spec(tiny_model_dirs["llama"], tmp_path / "adapter", spec)
+    out = export(tiny, adapter, tmp_path / "st", fmt="sentence-transformers", max_length=32)
+    config = json.loads((out / "config_sentence_transformers.json").read_text())
+    assert config["prompts"] == prompts and config["default_prompt_name"] is None
+    assert config["similarity_fn_name"] == "cosine"
+    assert "truncate_dim=k" in (out / "README.md").read_text()
+    texts, docs = SENTENCES[:3], SENTENCES[3:5]
+    ours = Encoder.from_pretrained(tiny, adapter=adapter, precision="fp32", max_length=32)
+    assert ours.max_seq_length == 32 and dict(ours.prompts) == prompts
+    for truncate_dim in (None, 8):  # at load there, per call here
+        st = SentenceTransformer(str(out), device="cpu", truncate_dim=truncate_dim)
+        assert st.get_embedding_dimension() == (truncate_dim or ours.get_sentence_embedding_dimension())
+        assert ours.max_seq_length == st.max_seq_length
+        assert {k: v for k, v in st.prompts.items() if v} == {k: v for k, v in ours.prompts.items() if v}
+        for kwargs in ({}, {"normalize_embeddings": True}, {"convert_to_tensor": True}, {"prompt": "x: "}):
+            theirs = st.encode_query(texts, **kwargs)
+            mine = ours.encode_query(texts, truncate_dim=truncate_dim, **kwargs)
+            assert type(theirs) is type(mine) and theirs.shape == mine.shape, kwargs
+            np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=1e-4, atol=1e-5)
+        theirs, mine = st.encode_document(docs), ours.encode_document(docs, truncate_dim=truncate_dim)
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+        q, d = (
+            ours.encode_query(texts, truncate_dim=truncate_dim),
+            ours.encode_document(docs, truncate_dim=truncate_dim),
+        )
+        torch.testing.assert_close(ours.similarity(q, d), st.similarity(q, d))
+    prefix = st.encode_query(texts, truncate_dim=16, normalize_embeddings=True)  # a call's size wins there too
+    np.testing.assert_allclose(ours.encode_query(texts, truncate_dim=16, normalize_embeddings=True), prefix, atol=1e-5)

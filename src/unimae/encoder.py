@@ -4,6 +4,10 @@
 >>> vectors = enc.encode(["a sentence", "another"], normalize=True)   # (2, D) float32
 >>> enc.generate("The capital of France is", max_new_tokens=8)
 
+sentence-transformers' ``SentenceTransformer`` calls work too: ``encode(sentences, normalize_embeddings=True,
+truncate_dim=k, convert_to_tensor=True)``, ``similarity(a, b)``, ``get_sentence_embedding_dimension()``,
+``max_seq_length``, ``prompts`` (:meth:`Encoder.encode`).
+
 Texts are sorted by length and batched; results come back in input order. Positions are counted
 over real tokens, so an embedding does not depend on batch size, batch composition or padding side.
 """
@@ -15,7 +19,8 @@ import copy
 import dataclasses
 import logging
 import numbers
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +31,7 @@ from unimae.embedding.pooling import PooledInput, pool
 from unimae.embedding.rotation import load_rotation
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
-from unimae.embedding.vectors import finish_embeddings, refuse_unknown_options
+from unimae.embedding.vectors import finish_embeddings, sentence_transformers_options
 from unimae.generation.kv_cache import returned_cache
 from unimae.generation.prompt import check_fits, prompt_ids
 from unimae.generation.sampling import GenerationParams
@@ -72,6 +77,8 @@ class Encoder:
         spec: EmbeddingSpec | None = None,
         **pooling_options,
     ):
+        if spec is not None and pooling_options:  # they would be ignored: the spec holds the pooling's options
+            raise TypeError(_unexpected_load_options(pooling_options))
         self.spec = spec or EmbeddingSpec(attention=attention, pooling=pooling, **pooling_options)
         tune_allocator()
         self.device = resolve_device(device)
@@ -137,6 +144,9 @@ class Encoder:
         ``precision`` (in ``kwargs``): see :class:`Encoder`; 'auto' picks 'f16-decode' on x86 CPUs without native
         bf16 (AVX2): fp32 embeddings, fp16 weights in the decode steps (fbgemm).
         """
+        unknown = {k: v for k, v in kwargs.items() if k not in (*_POOLING_OPTIONS, *_LOAD_OPTIONS)}
+        if unknown:  # refused before the model loads
+            raise TypeError(_unexpected_load_options(unknown))
         adapter = resolve_adapter(adapter)  # a folder, or the name of a released adapter
         device = resolve_device(kwargs.get("device"))
         precision = resolve_inference_precision(kwargs.get("precision", "auto"), device)
@@ -172,9 +182,9 @@ class Encoder:
     @torch.inference_mode()
     def encode(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] | None = None,
         batch_size: int = 32,
-        normalize: bool = False,
+        normalize: bool | None = None,
         show_progress: bool | None = None,
         prompt_name: str | None = None,
         prompt: str | None = None,
@@ -182,30 +192,58 @@ class Encoder:
         precision: str = "float32",
         ranges: np.ndarray | None = None,
         calibration_embeddings: np.ndarray | None = None,
-        **unknown,
-    ) -> np.ndarray:
+        **sentence_transformers,
+    ) -> np.ndarray | torch.Tensor | list[torch.Tensor]:
         """Embed texts -> (N, D) array (1-D for a single string), in input order.
 
-        ``prompt_name`` picks one of the adapter's prompts (``spec.prompts``, e.g. 'query'); ``prompt`` gives
-        the text prefix itself (it wins over ``prompt_name``, as in sentence-transformers). ``dimensions``:
-        keep the first k coordinates (Matryoshka; normalised after truncation when ``normalize``), of the
-        rotated vector when the adapter has a rotation (:mod:`unimae.embedding.rotation`).
+        ``normalize``: L2-normalise each vector (None: no). ``prompt_name`` picks one of the adapter's prompts
+        (``spec.prompts``, e.g. 'query'); ``prompt`` gives the text prefix itself (it wins over ``prompt_name``, as
+        in sentence-transformers). ``dimensions``: keep the first k coordinates (Matryoshka; normalised after
+        truncation when ``normalize``), of the rotated vector when the adapter has a rotation
+        (:mod:`unimae.embedding.rotation`); None: all.
         ``precision``: 'float32', or quantized by sentence-transformers' ``quantize_embeddings``: 'int8' /
         'uint8' (per-dimension ranges from ``ranges`` (2, k) or ``calibration_embeddings`` (M, D), else from these
         embeddings themselves: :func:`~unimae.embedding.vectors.finish_embeddings`), 'binary' / 'ubinary' (sign
-        bits packed 8 per byte: D / 8 bytes). Other keywords (sentence-transformers' spellings among them) are a
-        TypeError naming this method's own.
+        bits packed 8 per byte: D / 8 bytes).
+
+        sentence-transformers' keywords (``sentence_transformers``) are taken as in its ``encode``:
+        ``sentences`` / ``inputs`` (``texts``), ``normalize_embeddings`` (``normalize``), ``truncate_dim``
+        (``dimensions``), ``show_progress_bar`` (``show_progress``); one option under both spellings with
+        different values is a TypeError. ``convert_to_tensor=True`` returns a torch tensor (on the encoder's
+        device for float32, on the CPU for quantized codes, as there), ``convert_to_numpy=False`` a list of 1-D
+        tensors; ``output_value`` must be 'sentence_embedding'. Any other keyword is a TypeError (``device``:
+        choose it at load).
         """
-        refuse_unknown_options(unknown)
+        ours = {"texts": texts, "normalize": normalize, "show_progress": show_progress, "dimensions": dimensions}
+        ours, output = sentence_transformers_options(ours, sentence_transformers)
+        texts, normalize, show_progress, dimensions = (
+            ours[k] for k in ("texts", "normalize", "show_progress", "dimensions")
+        )
+        if texts is None:
+            raise TypeError("encode() needs the texts to embed: a string or a list of strings")
         single = isinstance(texts, str)
         texts = [texts] if single else list(texts)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_batch_size(batch_size)
         check_dimensions(dimensions, self.embedding_dim, self.spec)
         prefix = prompt if prompt is not None else self.spec.prompt(prompt_name)
         out = self._encode_blocks(texts, prefix, batch_size, show_progress)  # (N, D)
-        out = finish_embeddings(out, dimensions, normalize, precision, self.rotation, ranges, calibration_embeddings)
-        return out[0] if single else out
+        out = finish_embeddings(
+            out, dimensions, bool(normalize), precision, self.rotation, ranges, calibration_embeddings
+        )  # (N, k)
+        return self._as_requested(out[0] if single else out, single, precision, **output)
+
+    def _as_requested(
+        self, vectors: np.ndarray, single: bool, precision: str, convert_to_numpy: bool, convert_to_tensor: bool
+    ) -> np.ndarray | torch.Tensor | list[torch.Tensor]:
+        """``vectors`` in the form sentence-transformers' ``encode`` returns for these options: the array, one
+        tensor (``convert_to_tensor``), or a list of row tensors (``convert_to_numpy=False``; one tensor for a
+        single text). Float vectors go to the encoder's device, quantized codes stay on the CPU (as there)."""
+        if convert_to_numpy and not convert_to_tensor:
+            return vectors
+        tensor = torch.from_numpy(vectors)
+        if precision == "float32":
+            tensor = tensor.to(self.device)
+        return tensor if convert_to_tensor or single else list(tensor)
 
     def _encode_blocks(self, texts: list[str], prefix: str | None, batch_size: int, show_progress) -> np.ndarray:
         """(N, D) float32 embeddings of ``texts``, tokenized :data:`ENCODE_BLOCK` at a time (token lists of every
@@ -222,18 +260,74 @@ class Encoder:
                 bar.update(len(block))
         return out
 
-    def encode_query(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
-        """:meth:`encode` with the adapter's 'query' prompt (none if it has no such prompt): retrieval queries."""
-        return self.encode(texts, prompt_name=self._prompt_or_none("query", kwargs), **kwargs)
+    def encode_query(self, texts: str | Sequence[str] | None = None, **kwargs) -> np.ndarray:
+        """:meth:`encode` with the adapter's 'query' prompt (none if it has no such prompt): retrieval queries.
+        A ``prompt_name`` or ``prompt`` given here is used instead, as in sentence-transformers."""
+        return self.encode(texts, **self._with_role_prompt("query", kwargs))
 
-    def encode_document(self, texts: str | Sequence[str], **kwargs) -> np.ndarray:
-        """:meth:`encode` with the adapter's 'document' prompt (none if it has no such prompt): passages."""
-        return self.encode(texts, prompt_name=self._prompt_or_none("document", kwargs), **kwargs)
+    def encode_document(self, texts: str | Sequence[str] | None = None, **kwargs) -> np.ndarray:
+        """:meth:`encode` with the adapter's 'document' prompt (none if it has no such prompt): passages.
+        A ``prompt_name`` or ``prompt`` given here is used instead, as in sentence-transformers."""
+        return self.encode(texts, **self._with_role_prompt("document", kwargs))
 
-    def _prompt_or_none(self, name: str, kwargs: dict) -> str | None:
-        if "prompt_name" in kwargs:
-            raise TypeError(f"encode_{name} sets prompt_name={name!r} itself: call encode(prompt_name=...) instead")
-        return name if name in self.spec.prompt_map else None
+    def _with_role_prompt(self, name: str, kwargs: dict) -> dict:
+        if kwargs.get("prompt_name") is None and kwargs.get("prompt") is None:
+            kwargs = {**kwargs, "prompt_name": name if name in self.spec.prompt_map else None}
+        return kwargs
+
+    # sentence-transformers' names for what an Encoder has (SentenceTransformer's API, v3 to v6)
+
+    @property
+    def max_seq_length(self) -> int:
+        """``max_length`` under sentence-transformers' name: the tokens a text (its prompt and EOS included) is
+        cut to. Settable, as there."""
+        return self.max_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"max_seq_length must be a positive integer, got {value!r}")
+        self.max_length = int(value)
+
+    @property
+    def prompts(self) -> Mapping[str, str]:
+        """The adapter's named prompts (name -> text prefix, ``spec.prompts``), read-only. Other prompts:
+        ``encode(prompt=...)`` per call, or ``with_spec(dataclasses.replace(spec, prompts={...}))``."""
+        return types.MappingProxyType(self.spec.prompt_map)
+
+    @property
+    def default_prompt_name(self) -> None:
+        """None: :meth:`encode` applies no prompt unless asked (encode_query / encode_document pick theirs)."""
+        return None
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """'cosine': what :meth:`similarity` computes (adapters are trained with a cosine InfoNCE loss)."""
+        return "cosine"
+
+    def similarity(self, embeddings1, embeddings2) -> torch.Tensor:
+        """Cosine similarity of every vector of ``embeddings1`` (N, k) with every vector of ``embeddings2``
+        (M, k) -> an (N, M) torch tensor, as sentence-transformers' ``similarity`` (cosine, its default). numpy
+        arrays, tensors or lists of either; a 1-D vector counts as one row. The result is on ``embeddings1``'s
+        device (the CPU for numpy)."""
+        a, b = _as_rows(embeddings1), _as_rows(embeddings2)
+        a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b.to(a), dim=-1)
+        return a @ b.T
+
+    def similarity_pairwise(self, embeddings1, embeddings2) -> torch.Tensor:
+        """Cosine of ``embeddings1[i]`` with ``embeddings2[i]`` for each i -> an (N,) torch tensor, as
+        sentence-transformers' ``similarity_pairwise``."""
+        a, b = _as_tensor(embeddings1), _as_tensor(embeddings2)
+        a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b.to(a), dim=-1)
+        return (a * b).sum(-1)
+
+    def get_embedding_dimension(self) -> int:
+        """``embedding_dim`` under sentence-transformers 6's name: the size of :meth:`encode`'s vectors by default."""
+        return self.embedding_dim
+
+    def get_sentence_embedding_dimension(self) -> int:
+        """:meth:`get_embedding_dimension` under sentence-transformers' name before 6.0."""
+        return self.get_embedding_dimension()
 
     @torch.inference_mode()
     def encode_inputs(
@@ -325,6 +419,7 @@ class Encoder:
 
 
 _POOLING_OPTIONS = ("summary_ids", "echo_template")
+_LOAD_OPTIONS = ("max_length", "precision", "device", "padding_side")  # from_pretrained -> Encoder
 ENCODE_BLOCK = 4096  # texts tokenized at a time by Encoder.encode (bounded memory; sorted by length within one)
 
 
@@ -343,6 +438,49 @@ def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> 
             dimensions,
             trained,
         )
+
+
+def check_batch_size(batch_size) -> None:
+    """``batch_size`` must be a positive integer; a string is most likely a prompt name passed second, where
+    sentence-transformers' ``encode`` takes ``prompt_name``."""
+    if isinstance(batch_size, str):
+        raise TypeError(
+            f"batch_size must be an integer, got {batch_size!r}: encode's second parameter is batch_size "
+            "(sentence-transformers' is prompt_name): pass prompt_name=... by keyword"
+        )
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
+# sentence-transformers' load-time keywords an Encoder does not take, with what to use instead
+_LOAD_HINTS = {
+    "prompts": "the adapter's own come from its unimae.json; others: encode(prompt=...) or "
+    "with_spec(dataclasses.replace(encoder.spec, prompts={...}))",
+    "default_prompt_name": "none: encode(prompt_name=...), encode_query, encode_document",
+    "similarity_fn_name": "similarity() is cosine",
+    "truncate_dim": "pass truncate_dim= (or dimensions=) to encode: an encoder's own vectors, which its indexes "
+    "and evaluations use, stay full-size",
+}
+
+
+def _unexpected_load_options(options: dict) -> str:
+    """The TypeError message for keywords an Encoder given a spec would otherwise ignore."""
+    hints = [f"{name} ({_LOAD_HINTS[name]})" if name in _LOAD_HINTS else name for name in options]
+    return f"Encoder() got unexpected keyword arguments: {', '.join(hints)}"
+
+
+def _as_tensor(vectors) -> torch.Tensor:
+    """Vectors (a tensor, an array, a list of either) as one floating-point tensor."""
+    if isinstance(vectors, (list, tuple)) and vectors and isinstance(vectors[0], torch.Tensor):
+        vectors = torch.stack(list(vectors))
+    tensor = vectors if isinstance(vectors, torch.Tensor) else torch.as_tensor(np.asarray(vectors))
+    return tensor if tensor.is_floating_point() else tensor.float()
+
+
+def _as_rows(vectors) -> torch.Tensor:
+    """:func:`_as_tensor` as (N, k): a 1-D vector is one row."""
+    tensor = _as_tensor(vectors)
+    return tensor.unsqueeze(0) if tensor.dim() == 1 else tensor
 
 
 def _resolve_spec(trained: EmbeddingSpec, pooling: str, attention: str | None, kwargs: dict) -> EmbeddingSpec:

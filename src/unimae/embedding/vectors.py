@@ -1,30 +1,73 @@
 """What is done to finished embeddings: Matryoshka truncation, L2 normalisation, quantization.
 
 One function for every path that hands vectors out (``Encoder.encode``, the server's embeddings route, RAG's
-query, the binary index's codes), so they all truncate, normalise and quantize alike.
+query, the binary index's codes), so they all truncate, normalise and quantize alike. Also: which of
+sentence-transformers' ``encode()`` keywords ``Encoder.encode`` takes, and as what.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 import torch
 
 EMBEDDING_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
-# sentence-transformers' encode() keywords -> unimae's (None: no counterpart; the result is a numpy array)
-SENTENCE_TRANSFORMERS_NAMES = {
+# sentence-transformers' encode() keywords that Encoder.encode takes under its own name (sentences: up to 5.x,
+# inputs: 6.x)
+SENTENCE_TRANSFORMERS_ALIASES = {
+    "sentences": "texts",
+    "inputs": "texts",
     "normalize_embeddings": "normalize",
     "truncate_dim": "dimensions",
     "show_progress_bar": "show_progress",
-    "convert_to_numpy": None,
-    "convert_to_tensor": None,
-    "output_value": None,
+}
+# ... the ones that choose the result's form, with sentence-transformers' defaults (a numpy array of sentence
+# embeddings)
+SENTENCE_TRANSFORMERS_OUTPUT = {
+    "output_value": "sentence_embedding",
+    "convert_to_numpy": True,
+    "convert_to_tensor": False,
+}
+# ... and the ones it refuses, with what to use instead (None: no counterpart)
+SENTENCE_TRANSFORMERS_NAMES = {
     "device": "Encoder.from_pretrained(device=...)",
+    "pool": None,
+    "chunk_size": None,
 }
 
 
+def sentence_transformers_options(ours: dict, options: dict) -> tuple[dict, dict]:
+    """Resolve sentence-transformers' spellings in ``options`` (the keywords ``Encoder.encode`` did not bind) onto
+    ``ours`` (unimae's keyword -> value; None counts as not given) -> (``ours`` updated, ``convert_to_numpy`` and
+    ``convert_to_tensor`` with sentence-transformers' defaults filled in).
+
+    A TypeError for one option given under both spellings with different values (``normalize=False,
+    normalize_embeddings=True``: no silent winner), and for a keyword neither spells (naming unimae's own)."""
+    ours, options = dict(ours), dict(options)
+    for name, target in SENTENCE_TRANSFORMERS_ALIASES.items():
+        if name not in options or (value := options.pop(name)) is None:
+            continue
+        given = ours[target]
+        if given is not None and not _same(given, value):
+            raise TypeError(f"encode() got {target} and {name} (sentence-transformers' spelling of it): pass one")
+        ours[target] = value
+    output = {name: options.pop(name, default) for name, default in SENTENCE_TRANSFORMERS_OUTPUT.items()}
+    refuse_unknown_options(options)
+    if (value := output.pop("output_value")) != "sentence_embedding":
+        raise ValueError(f"output_value={value!r}: unimae's encode returns sentence embeddings only")
+    return ours, output
+
+
+def _same(a, b) -> bool:
+    """Whether two spellings of one option carry the same value (the same object, or equal scalars)."""
+    scalars = (numbers.Number, str)
+    return a is b or (isinstance(a, scalars) and isinstance(b, scalars) and bool(a == b))
+
+
 def refuse_unknown_options(options: dict) -> None:
-    """A TypeError for keywords ``Encoder.encode`` does not take, naming unimae's spelling of sentence-transformers'
-    (silently ignoring ``normalize_embeddings=True`` would hand out unnormalised vectors)."""
+    """A TypeError for keywords ``Encoder.encode`` does not take, naming what to use instead where there is
+    something (silently ignoring a keyword would hand out other vectors than asked for)."""
     if not options:
         return
     hints = [f"{name} (use {ours})" if (ours := SENTENCE_TRANSFORMERS_NAMES.get(name)) else name for name in options]

@@ -86,7 +86,10 @@ def _prompt_lines(spec: EmbeddingSpec) -> str:
         )
     elif spec.matryoshka_dims:
         dims = ", ".join(map(str, spec.matryoshka_dims))
-        lines.append(f"- **Matryoshka dimensions:** {dims} (keep the first k coordinates, then re-normalise)")
+        lines.append(
+            f"- **Matryoshka dimensions:** {dims} (keep the first k coordinates, then re-normalise; "
+            "sentence-transformers: `SentenceTransformer(folder, truncate_dim=k)`, `normalize_embeddings=True`)"
+        )
     return "".join(line + "\n" for line in lines)
 
 
