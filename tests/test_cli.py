@@ -1,5 +1,6 @@
 """The command line as a user runs it."""
 
+import io
 import json
 from pathlib import Path
 
@@ -61,6 +62,29 @@ def test_embed_to_npy(tiny_model_dirs, tmp_path, capsys):
     )
     vectors = np.load(out)
     assert vectors.shape == (3, 64) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+
+
+def test_embed_output_is_the_path_given_checked_before_the_model_loads(tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    import unimae.encoder
+
+    tiny = str(tiny_model_dirs["qwen2"])
+    out = tmp_path / "new" / "folder" / "vectors.txt"  # a missing folder, a name without .npy
+    assert main(["embed", "--model", tiny, "--output", str(out), "one", "two"]) == 0
+    assert np.load(out).shape == (2, 64) and not Path(f"{out}.npy").exists()
+    assert f"to {out}" in capsys.readouterr().out
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(unimae.encoder.Encoder, "from_pretrained", no_model)
+    assert main(["embed", "--model", tiny, "--output", str(tmp_path), "x"]) == 2  # a folder
+    assert "is a folder" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["embed", "--model", tiny, "--output", str(tmp_path / "file" / "v.npy"), "x"]) == 2
+    assert "cannot write to" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["embed", "--model", tiny]) == 2
+    assert "no texts to embed" in capsys.readouterr().err
 
 
 def test_wrong_model_path_is_a_clear_error(tmp_path, capsys):
@@ -362,3 +386,34 @@ def test_embed_gives_one_row_per_input_line_and_int8_codes_scaled_by_a_calibrati
     (tmp_path / "bad.npy").write_text("not an array")
     assert main([*base, "--quantize", "int8", "--calibration", str(tmp_path / "bad.npy"), "two"]) == 2
     assert "not a readable .npy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["evaluate", "embeddings"],
+        ["evaluate", "generation"],
+        ["evaluate", "figures"],
+        ["compare"],
+    ],
+)
+def test_data_dir_defaults_to_unimae_data(monkeypatch, argv):
+    from unimae.cli import build_parser
+
+    monkeypatch.setenv("UNIMAE_DATA", "/data/here")
+    assert build_parser().parse_args(argv).data_dir == "/data/here"
+    assert build_parser().parse_args([*argv, "--data-dir", "mine"]).data_dir == "mine"
+    monkeypatch.delenv("UNIMAE_DATA")
+    if argv[-1] == "figures":  # it needs the data: required without the variable
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+    else:
+        assert build_parser().parse_args(argv).data_dir is None
+
+
+def test_rotation_of_a_release_name_says_to_copy_it_first(capsys):
+    assert main(["rotation", "--adapter", "unimae-smollm2-135m-retriever"]) == 2
+    err = capsys.readouterr().err
+    assert "is a release" in err and "cp -r " in err and "unimae rotation --adapter my-adapter" in err
+    assert main(["rotation", "--adapter", "no-such-adapter-folder"]) == 2
+    assert "no such adapter folder" in capsys.readouterr().err

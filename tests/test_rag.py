@@ -277,3 +277,38 @@ def test_the_rag_benchmark_pairs_both_setups_over_every_paragraph(monkeypatch):
     assert load_test.paired([one, two]) == {"paragraphs": 3, "one_only": 1, "two_only": 1, "mcnemar_p": 1.0}
     assert load_test.mcnemar_p(0, 0) == 1.0 and load_test.mcnemar_p(0, 5) == round(2 / 32, 6)
     assert "all_paragraph_hits" not in one and "all_paragraph_hits" not in two
+
+
+def test_an_index_built_with_a_release_finds_it_again_after_the_project_moved(tiny_model_dirs, tmp_path, monkeypatch):
+    """The manifest records the release's folder; once that path is gone (the clone moved), the release of that
+    name found here is used, and its revision still has to match."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from unimae.adapter import AdapterMeta, adapter_revision, base_fingerprint, quiet_peft, write_adapter_meta
+    from unimae.embedding.spec import EmbeddingSpec
+    from unimae.models import load_model
+    from unimae.release import RELEASES_ENV
+    from unimae.retrieval.rag import load_index_and_encoder
+
+    tiny = str(tiny_model_dirs["llama"])
+    old, new = tmp_path / "old" / "rel-a", tmp_path / "releases" / "rel-a"
+    model, _, _ = load_model(tiny)
+    torch.manual_seed(3)
+    with quiet_peft():
+        lora = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
+    lora.save_pretrained(old)
+    write_adapter_meta(old, AdapterMeta(tiny, base_fingerprint(model), EmbeddingSpec()))
+    encoder = Encoder.from_pretrained(tiny, adapter=str(old), precision="fp32", max_length=32)
+    source = {"model": tiny, "adapter": str(old), "adapter_revision": adapter_revision(str(old))}
+    VectorIndex.build(encoder, [(f"p{i}", t) for i, t in enumerate(SENTENCES)], tmp_path / "idx", source=source)
+    shutil.copytree(old, new)
+    shutil.rmtree(old)
+    monkeypatch.setenv(RELEASES_ENV, str(new.parent))
+    loaded, index = load_index_and_encoder(tmp_path / "idx", precision="fp32")
+    assert index.search(loaded.encode([SENTENCES[2]], normalize=True), k=1)[0][0].id == "p2"
+    (new / "adapter_model.safetensors").write_bytes((new / "adapter_model.safetensors").read_bytes()[:-8] + bytes(8))
+    with pytest.raises(VectorIndexError, match=r"built with adapter revision .*rel-a\), but .*another adapter"):
+        load_index_and_encoder(tmp_path / "idx", precision="fp32")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 
 from unimae.embedding.pooling import POOLINGS
@@ -119,3 +120,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, from_index: bool = Fals
         parser.add_argument("--adapter", type=adapter_argument, help=ADAPTER_HELP)
     add_precision_argument(parser)
     parser.add_argument("--device", default="auto", type=device_argument, help=DEVICE_HELP)
+
+
+def add_data_dir_argument(parser: argparse.ArgumentParser, what: str, required: bool = False) -> None:
+    """``--data-dir``: a local data folder in the evaluation data layout (docs/evaluation.md), by default
+    ``$UNIMAE_DATA``; ``required``: needed unless that variable is set."""
+    default = os.environ.get("UNIMAE_DATA") or None
+    parser.add_argument(
+        "--data-dir",
+        default=default,
+        required=required and default is None,
+        help=f"{what} (default: $UNIMAE_DATA{', here ' + default if default else ', unset'}).",
+    )

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from unimae.cli.arguments import add_command, add_model_arguments, add_pooling_argument, inference_precisions
+from unimae.files import atomic_write, check_writable
 
 
 def add_embed_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +26,9 @@ def add_embed_parser(sub: argparse._SubParsersAction) -> None:
         "(one text per line). Every text is one output row, empty ones too (embedded as BOS/EOS).",
     )
     parser.add_argument("--field", default="text", help="Text field of a .jsonl / .parquet --input.")
-    parser.add_argument("--output", help="Write a .npy array instead of printing JSON lines.")
+    parser.add_argument(
+        "--output", help="Write a .npy array to this file (folders created) instead of printing JSON lines."
+    )
     add_pooling_argument(parser)
     parser.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass.")
     parser.add_argument("--max-length", type=int, default=512, help="Tokens per text, EOS included.")
@@ -107,11 +110,13 @@ def utf8_argument(text: str, where: str) -> str:
 
 
 def _embed(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from unimae.encoder import Encoder
 
+    output = _output_path(args.output)
     texts = read_texts(args.texts, args.input, args.field)
+    if not texts:
+        raise ValueError("no texts to embed (standard input was empty): pass texts, --input FILE, or lines on stdin")
     prompt = utf8_argument(args.prompt, "--prompt") if args.prompt else args.prompt
     encoder = Encoder.from_pretrained(
         args.model,
@@ -131,13 +136,34 @@ def _embed(args: argparse.Namespace) -> int:
         precision=args.quantize or "float32",
         calibration_embeddings=_calibration(args),
     )
-    if args.output:
-        np.save(args.output, vectors)
-        print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} {vectors.dtype} embeddings to {args.output}")
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(output, lambda tmp: _save_npy(tmp, vectors))
+        print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} {vectors.dtype} embeddings to {output}")
     else:
         for row in vectors:
             print(json.dumps(row.tolist() if args.quantize else [round(float(x), 6) for x in row]))
     return 0
+
+
+def _output_path(output: str | None) -> Path | None:
+    """``--output`` checked before the model loads: not a folder, in a folder that can be written (created if
+    missing), so a bad path fails before the embedding, not after it."""
+    if not output:
+        return None
+    path = Path(output)
+    if path.is_dir():
+        raise IsADirectoryError(f"--output {path} is a folder; pass a file name such as {path / 'vectors.npy'}")
+    check_writable(path.parent)
+    return path
+
+
+def _save_npy(path: Path, vectors) -> None:
+    """The .npy array at exactly ``path`` (``np.save`` given a name would add ``.npy`` to one without it)."""
+    import numpy as np
+
+    with open(path, "wb") as handle:
+        np.save(handle, vectors)
 
 
 def _calibration(args: argparse.Namespace):

@@ -12,6 +12,7 @@ from unimae.cli.arguments import (
     DEFAULT_MODEL,
     adapter_argument,
     add_command,
+    add_data_dir_argument,
     add_model_arguments,
     add_pooling_argument,
     inference_precisions,
@@ -48,9 +49,8 @@ def _add_embeddings_parser(kinds: argparse._SubParsersAction) -> None:
         help="Attention rule for embedding (default: the adapter's; causal without one).",
     )
     parser.add_argument("--tasks", nargs="+", default=["dev"], help="Task groups 'dev' / 'mteb15' or mteb task names.")
-    parser.add_argument(
-        "--data-dir",
-        help="Local data in the evaluation data layout (docs/evaluation.md); else mteb loads from the Hub.",
+    add_data_dir_argument(
+        parser, "Local data in the evaluation data layout (docs/evaluation.md); else mteb loads from the Hub"
     )
     parser.add_argument(
         "--output-dir",
@@ -105,7 +105,7 @@ def _add_summary_parser(kinds: argparse._SubParsersAction) -> None:
 def _add_figures_parser(kinds: argparse._SubParsersAction) -> None:
     parser = add_command(kinds, "figures", "t-SNE (base vs adapter) and category bars of a summary.json.", _figures)
     add_model_arguments(parser)
-    parser.add_argument("--data-dir", required=True, help="Folder with clustering/TwentyNewsgroupsClustering/.")
+    add_data_dir_argument(parser, "Folder with clustering/TwentyNewsgroupsClustering/", required=True)
     parser.add_argument("--output-dir", default="results/embeddings", help="Where the figures are written.")
 
 
@@ -119,8 +119,8 @@ def _add_generation_parser(kinds: argparse._SubParsersAction) -> None:
         nargs="+",
         help="Local tasks (default: all six) and/or any lm-eval registry task, e.g. mmlu sciq (those need the Hub).",
     )
-    parser.add_argument(
-        "--data-dir", help="Folder with generation/<task>/*.jsonl (the evaluation data layout, docs/evaluation.md)."
+    add_data_dir_argument(
+        parser, "Folder with generation/<task>/*.jsonl (the evaluation data layout, docs/evaluation.md)"
     )
     parser.add_argument("--output-dir", default="results/generation", help="Where generation.json is written.")
     parser.add_argument("--limit", type=int, help="Score only the first N items of each task.")
@@ -142,7 +142,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--adapter", action="append", type=adapter_argument, help="A trained adapter or release (repeat for several)."
     )
-    parser.add_argument("--data-dir", help="Local data in the evaluation data layout (docs/evaluation.md).")
+    add_data_dir_argument(parser, "Local data in the evaluation data layout (docs/evaluation.md)")
     parser.add_argument("--output-dir", default="results/compare", help="Where the tables are written.")
     parser.add_argument("--tasks", nargs="+", default=["dev"], help="Embedding task groups or mteb task names.")
     parser.add_argument("--batch-size", type=int, default=32, help="Texts per forward pass.")

@@ -35,9 +35,17 @@ def _rotation(args: argparse.Namespace) -> int:
     from unimae.adapter import adapter_meta, fit_adapter_rotation, forget_rotation, write_adapter_meta
     from unimae.data.pairs import sample_pair_texts
     from unimae.encoder import Encoder
+    from unimae.release import find_release
 
     folder = Path(args.adapter)
     if not folder.is_dir():
+        release = find_release(args.adapter)
+        if release:  # a name resolves elsewhere; this command writes into the folder it is given
+            raise FileNotFoundError(
+                f"--adapter {args.adapter} is a release ({release}), which carries its rotation already; "
+                f"`unimae rotation` writes into the adapter folder, so to fit another, copy it first: "
+                f"cp -r {release} my-adapter && unimae rotation --adapter my-adapter"
+            )
         raise FileNotFoundError(f"--adapter {args.adapter}: no such adapter folder")
     meta = adapter_meta(folder)
     data, model = args.data or meta.training_config.get("data"), args.model or meta.base_model

@@ -272,6 +272,15 @@ def _call(fn: Callable[..., Any], *args, **kwargs) -> Any:
     return fn(*args, **kwargs)
 
 
+def _recorded_adapter(recorded: str | None) -> str | None:
+    """The adapter an index's manifest names: its folder if it is still there, else, where the folder was a
+    release's (the project moved, or another clone reads the index), the release of that name found here (the
+    revision check that follows tells whether it holds the same weights)."""
+    if recorded is None or Path(recorded).is_dir():
+        return recorded
+    return find_release(Path(recorded).name) or recorded
+
+
 def load_index_and_encoder(
     index_dir: str | Path,
     model: str | None = None,
@@ -290,17 +299,18 @@ def load_index_and_encoder(
     """
     index = open_index(index_dir)
     manifest = index.manifest
-    adapter = adapter if adapter is not None else manifest.get("adapter")
+    adapter = adapter if adapter is not None else _recorded_adapter(manifest.get("adapter"))
     adapter = find_release(adapter) or adapter if adapter is not None else None  # a release name, as the CLI takes
     if adapter is not None and not Path(adapter).is_dir():
         raise VectorIndexError(f"adapter {adapter} does not exist; pass the adapter the index was built with")
     built, given = manifest.get("adapter_revision", "base"), adapter_revision(adapter)
     if given != built:
+        recorded = manifest.get("adapter") or "no adapter"
         raise VectorIndexError(
-            f"the index in {index_dir} was built with adapter revision {built} but {adapter or 'no adapter'} is "
-            f"revision {given}: its weights were retrained or replaced (a newer release?) or are damaged. Pass the "
-            "adapter the index was built with, or rebuild the index (unimae index --overwrite) once `unimae check "
-            "--adapter ...` loads the new weights"
+            f"the index in {index_dir} was built with adapter revision {built} ({recorded}), but "
+            f"{adapter or 'no adapter'} is revision {given}: another adapter, or the same folder with "
+            "other weights since (retrained, a newer release, damaged). Pass the adapter the index was built with, "
+            "or rebuild the index with this one (unimae index --overwrite)"
         )
     if model is not None and manifest.get("model") not in (None, model):
         logger.warning(
