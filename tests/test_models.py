@@ -85,3 +85,18 @@ def test_tokenizer_without_eos_is_refused(tiny_model_dirs, tmp_path):
     tokenizer.save_pretrained(model_dir)
     with pytest.raises(ValueError, match="has no EOS token"):
         load_tokenizer(model_dir)
+
+
+def test_a_misspelled_offline_model_name_gets_a_suggestion(monkeypatch):
+    import unimae.models
+    from unimae.models import load_model
+
+    def offline(path):  # what transformers raises for a Hub id it cannot fetch, without waiting for the network
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {path}")
+
+    monkeypatch.setattr(unimae.models, "load_tokenizer", offline)
+    with pytest.raises(OSError, match="Did you mean 'smollm2-135m'\\? If you are offline"):
+        load_model("smolm2-135m")
+    with pytest.raises(OSError) as err:
+        load_model("some-org/unrelated-model")
+    assert "Did you mean" not in str(err.value) and "offline models" in str(err.value)

@@ -12,6 +12,7 @@ ValueError naming the file, found by reading its header and tensor table before 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -255,8 +256,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, _retried: bool = F
             return load_model(spec, dtype, _retried=True)
         if not isinstance(err, OSError):
             raise
+        close = difflib.get_close_matches(str(spec), OFFLINE_MODELS, n=1, cutoff=0.8)
+        hint = f"Did you mean {close[0]!r}? " if close else ""
         raise OSError(
-            f"could not load model {spec!r}: {err}\nIf you are offline, pass a local directory, a .gguf "
+            f"could not load model {spec!r}: {err}\n{hint}If you are offline, pass a local directory, a .gguf "
             f"file or one of the offline models {sorted(OFFLINE_MODELS)}."
         ) from err
     model.eval()
