@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from unimae.data.passage_file import MappedRecords
 from unimae.embedding.spec import EmbeddingSpec
@@ -59,16 +58,15 @@ from unimae.retrieval.index import (
     VectorIndexError,
     _faiss,
     _read_manifest,
-    _shard_ok,
     _shard_path,
     begin_build,
     build_lock,
+    embed_missing_shards_here,
     finished_manifest,
     index_manifest,
     remove_stale_files,
     search_queries,
     write_manifest,
-    write_shard,
 )
 
 logger = logging.getLogger(__name__)
@@ -204,7 +202,7 @@ class DiskIndex:
         with build_lock(directory):
             shards = begin_build(directory, manifest, config, overwrite)
             _write_passages(directory, passages)
-            starts = _embed_missing_shards(encoder, passages, shards, config, manifest["dim"])
+            starts = embed_missing_shards_here(encoder, passages, shards, config, manifest["dim"])
             _gather_vectors(shards, starts, directory / VECTORS, (len(passages), manifest["dim"]))
             vectors = _map_array(directory / VECTORS)  # (N, D)
             ivf = _train_ivfpq(vectors, config)
@@ -310,22 +308,6 @@ def _write_passages(directory: Path, passages: list[tuple[str, str]]) -> None:
 
     atomic_write(directory / "passages.jsonl", write, fsync=True)
     atomic_write(directory / OFFSETS, lambda tmp: _save(tmp, offsets), fsync=True)
-
-
-def _embed_missing_shards(encoder, passages, shards: Path, config: DiskIndexConfig, dim: int) -> range:
-    """Embed each shard not already in ``shards`` exactly as ``unimae.retrieval.index`` does (same files, one by one) ->
-    the shards' first rows."""
-    starts = range(0, len(passages), config.shard_size)
-    todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), dim)]
-    if len(todo) < len(starts):
-        logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
-    for start in tqdm(todo, desc="index shards", unit="shard", disable=not todo):
-        texts = [text for _, text in passages[start : start + config.shard_size]]
-        vectors = encoder.encode_document(
-            texts, batch_size=config.batch_size, normalize=True, show_progress=False, dimensions=config.dimensions
-        )  # (n, D)
-        write_shard(shards, start, vectors)
-    return starts
 
 
 def _gather_vectors(shards: Path, starts: range, path: Path, shape: tuple[int, int]) -> None:

@@ -64,7 +64,7 @@ import hashlib
 import io
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -397,7 +397,8 @@ class VectorIndex:
                 "".join(json.dumps({"id": pid, "text": text}) + "\n" for pid, text in passages),
                 fsync=True,
             )
-            vectors = _embed_shards(encoder, passages, shards, config)  # (N, D)
+            starts = embed_missing_shards_here(encoder, passages, shards, config, manifest["dim"])
+            vectors = np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
             index, stored = _write_store(directory, manifest, vectors, config)
             manifest["sha256"] = {
                 **{name: file_sha256(directory / name) for name in stored},
@@ -577,11 +578,11 @@ def _check_resumable(manifest_path: Path, manifest: dict, config: IndexConfig, o
             stale.unlink()
 
 
-def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config: IndexConfig) -> np.ndarray:
-    """Embed every shard of ``passages`` not already in ``shards`` (normalized fp32 ``.npy`` per shard) -> all
-    the passages' vectors (N, D), read back from the shards."""
+def embed_missing_shards_here(encoder, passages: Sequence[tuple[str, str]], shards: Path, config, dim: int) -> range:
+    """Embed, in this process, every shard of ``passages`` not already (whole) in ``shards`` (normalized fp32
+    ``.npy`` per shard, ``dim`` wide) -> the shards' first rows. Both stores build through it (``config``: an
+    :class:`IndexConfig` or a disk store's, for ``shard_size``, ``batch_size`` and ``dimensions``)."""
     starts = range(0, len(passages), config.shard_size)
-    dim = config.dimensions or encoder.embedding_dim
     todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), dim)]
     if len(todo) < len(starts):
         logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
@@ -591,7 +592,7 @@ def _embed_shards(encoder, passages: list[tuple[str, str]], shards: Path, config
             texts, batch_size=config.batch_size, normalize=True, show_progress=False, dimensions=config.dimensions
         )
         write_shard(shards, start, vectors)
-    return np.concatenate([np.load(_shard_path(shards, s)) for s in starts])  # (N, D)
+    return starts
 
 
 def _hash_path(shards: Path, start: int) -> Path:

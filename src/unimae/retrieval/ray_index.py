@@ -11,8 +11,9 @@ embeds the missing shards changes:
    built another way), writes the manifest and passages, and stops at the first shard it would embed;
 3. Ray Data embeds every missing shard: one row per shard (first passage, ids, texts), ``map_batches`` over an
    ``ActorPoolStrategy(size=workers)`` of :class:`ShardEmbedder` actors (one ``Encoder.from_pretrained`` per
-   actor, ``num_gpus_per_worker`` GPUs each), each shard embedded as :func:`unimae.retrieval.index._embed_shards`
-   does it (``encode_document(texts, normalize=True, dimensions=..., batch_size=...)``). Its vectors come back to
+   actor, ``num_gpus_per_worker`` GPUs each), each shard embedded as
+   :func:`unimae.retrieval.index.embed_missing_shards_here` does it (``encode_document(texts, normalize=True,
+   dimensions=..., batch_size=...)``). Its vectors come back to
    the driver, which writes the shard atomically with its SHA-256 (:func:`unimae.retrieval.index.write_shard`): a
    shard is on disk whole or not at all. The rows go in jobs of ``passages_per_job`` passages, one after the
    other, each read from the corpus when its job starts: beyond the corpus itself (in RAM for the memory store;
