@@ -109,6 +109,7 @@ def fake_server(monkeypatch):
     monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
     monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: configs.append(config))
     monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    monkeypatch.setattr("unimae.cli.serve.check_port", lambda host, port: None)  # 8000 may be taken here
     monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
     return configs
 
@@ -152,6 +153,104 @@ def test_api_key_from_the_environment_and_bad_key_files(fake_server, monkeypatch
     assert "does not exist" in capsys.readouterr().err
     assert main(["serve", "--api-key", "k", "--api-key-file", str(empty)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The keyword arguments of every Encoder.from_pretrained call (no model is loaded), with uvicorn.run and
+    create_app faked as in ``fake_server`` but the port really checked."""
+    calls = []
+    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: None)
+    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
+    return calls
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def index_at_32(tiny_model_dirs, tmp_path):
+    """An index of the tiny Llama whose passages were embedded at max_length 32."""
+    from unimae.encoder import Encoder
+    from unimae.retrieval.index import VectorIndex
+
+    tiny = str(tiny_model_dirs["llama"])
+    encoder = Encoder.from_pretrained(tiny, precision="fp32", max_length=32)
+    VectorIndex.build(
+        encoder, PASSAGES, tmp_path / "idx", source={"model": tiny, "adapter": None, "adapter_revision": "base"}
+    )
+    return str(tmp_path / "idx")
+
+
+def test_serve_max_length_with_an_index_is_the_index_s_and_another_is_refused(index_at_32, loads, capsys):
+    """Before: `serve --index DIR --max-length 16` served at the index's length, silently ignoring the flag."""
+    port = ["--port", str(_free_port())]
+    for engine in (["--engine", "torch"], ["--engine", "llama.cpp", "--gguf", "model.gguf"]):
+        assert main(["serve", "--index", index_at_32, "--max-length", "16", *engine, *port]) == 2
+        err = capsys.readouterr().err
+        assert "--max-length 16 differs from the index's max_length 32" in err, err
+        assert "Leave --max-length out" in err and "unimae index --max-length 16" in err and "Traceback" not in err
+    assert loads == []  # refused before any model loaded
+    for given in ([], ["--max-length", "32"]):  # not given, or the index's own: the index's
+        assert main(["serve", "--index", index_at_32, "--precision", "fp32", *given, *port]) == 0
+        assert loads.pop()["max_length"] == 32
+    assert main(["serve", "--model", "m", *port]) == 0  # without an index: as before
+    assert loads.pop()["max_length"] == 512
+    assert main(["serve", "--model", "m", "--max-length", "16", *port]) == 0
+    assert loads.pop()["max_length"] == 16
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range_before_loading(port, loads, capsys):
+    """Before: `--port 99999` printed "unimae serving ... :99999", then a traceback (OverflowError from bind)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--model", "m", "--port", port])
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert "argument --port" in err and "from 0 to 65535" in err and "serving" not in out
+    assert loads == []
+
+
+def test_serve_on_a_port_in_use_fails_in_one_line_without_claiming_to_serve(loads, monkeypatch, capsys):
+    """Before: "unimae serving ... on http://127.0.0.1:PORT" was printed, then uvicorn's bind error. Now a port in
+    use is one line and exit 2, before the model loads; one taken while the model loads, after it, before the
+    line that says the server serves."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--model", "m", "--port", port]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip() == (
+            f"unimae serve: error: cannot listen on 127.0.0.1:{port}: Address already in use; another process "
+            "listens there: stop it or pass another --port"
+        )
+        assert "serving" not in out and loads == []
+
+    port = str(_free_port())
+    with socket.socket() as late:
+
+        def load_while_another_takes_the_port(*args, **kwargs):
+            late.bind(("127.0.0.1", int(port)))
+            late.listen()
+            return "encoder"
+
+        monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", load_while_another_takes_the_port)
+        assert main(["serve", "--model", "m", "--port", port]) == 2
+        out, err = capsys.readouterr()
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "serving" not in out
+    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
+    assert main(["serve", "--model", "m", "--port", port]) == 0  # free again
+    assert f"unimae serving m on http://127.0.0.1:{port}" in capsys.readouterr().out
 
 
 def _adapter(tiny_dir, directory, spec, seed: int) -> str:

@@ -535,3 +535,26 @@ def test_on_too_long_error_refuses_only_inputs_over_max_length(tiny_model_dirs, 
     assert np.allclose(ok.json()["data"][0]["embedding"], encoder.encode([fits], normalize=True)[0], atol=1e-5)
     assert refused.status_code == 400, refused.text
     assert f"input[1] is over this server's limit of {limit}" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("on_too_long", ["error", "truncate"])
+def test_a_refused_input_logs_no_truncation_warning(tiny_model_dirs, on_too_long, recwarn):
+    """Before: with --on-too-long error a refused input logged "TextTooLongWarning: texts longer than max_length=18
+    tokens were truncated": nothing was, and 18 is max_length + 2, the length the refusal tokenizes to. The 400
+    says it all; truncating (the default) still warns once, at the server's max_length."""
+    from fastapi.testclient import TestClient
+
+    from unimae.embedding.tokenization import TextTooLongWarning
+    from unimae.serving.app import create_app
+    from unimae.serving.config import ServerConfig
+
+    encoder = Encoder.from_pretrained(str(tiny_model_dirs["llama"]), precision="fp32", max_length=16)
+    with TestClient(create_app(encoder, ServerConfig(model_name="tiny", on_too_long=on_too_long))) as http:
+        response = http.post("/v1/embeddings", json={"input": ["short", LONG]})
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, TextTooLongWarning)]
+    if on_too_long == "error":
+        assert response.status_code == 400 and "input[1] is over this server's limit of 16" in response.text
+        assert warned == []
+    else:
+        assert response.status_code == 200, response.text
+        assert warned and all("max_length=16 tokens" in message for message in warned), warned

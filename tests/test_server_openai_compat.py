@@ -171,6 +171,37 @@ def test_logprobs_are_refused_naming_the_field(base, path, field, value):
     _refused(_post(base, path, {**body, field: value}), field, "does not return logprobs")
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "needle"),
+    [
+        ("/v1/completions", {"prompt": "the cat", "stop": 5}, "stop", "a valid string or a valid list"),
+        ("/v1/completions", {"prompt": "the cat", "stop": ["ok", 5]}, "stop.1", "a valid string"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": 5}, "stop", "a valid string or a valid list"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content",
+            "a valid string or a valid list",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": 5}, "tool_choice", "a valid string or a valid dict"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "stream_options": {"include_usage": "maybe"}},
+            "stream_options.include_usage",
+            "a valid boolean",
+        ),
+        ("/v1/embeddings", {"input": 5}, "input", "non-empty string"),
+        ("/v1/embeddings", {"input": "a", "dimensions": "64"}, "dimensions", "a valid integer"),
+    ],
+)
+def test_a_wrong_type_is_a_400_naming_the_field_not_pydantic_s_union_member(base, path, body, param, needle):
+    """Before: `"stop": 5` had `param: "stop.str"`, a message content `"messages.0.content.str"`: pydantic's tag
+    of the union member it tried last, which is no field of the request."""
+    response = _post(base, path, body)
+    _refused(response, param, needle)
+    assert response.json()["error"]["message"].startswith(f"invalid '{param}': "), response.text
+
+
 def test_logprobs_not_asked_for_are_answered(client):
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=False, top_logprobs=0, max_tokens=2)
     assert chat.choices[0].logprobs is None
@@ -396,6 +427,7 @@ def test_serve_takes_cors_origins(monkeypatch):
     monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
     monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: configs.append(config))
     monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    monkeypatch.setattr("unimae.cli.serve.check_port", lambda host, port: None)  # 8000 may be taken here
     monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
     assert main(["serve", "--model", "m", "--cors-origins", "*"]) == 0
     assert main(["serve", "--model", "m"]) == 0

@@ -28,6 +28,7 @@ from unimae.serving.config import ServerConfig, check_api_key, model_id
 from unimae.training.config import add_dataclass_arguments
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_LENGTH = 512  # --max-length without --index (with one: the index's)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,8 +57,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--index", help="Also serve POST /v1/rag over this index (its model and adapter).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind; anything but loopback warns.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    parser.add_argument("--max-length", type=int, default=512, help="Tokens per embedding input (with EOS).")
+    parser.add_argument(
+        "--port", type=port_argument, default=8000, help="Port to listen on (0-65535; 0: any free port)."
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        help=f"Tokens per embedding input (with EOS) (default: {DEFAULT_MAX_LENGTH}; with --index, the index's: its "
+        "passages were embedded at that length, so another value is an error).",
+    )
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -86,6 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
             "--gguf, --threads, --slots and --context are for --engine llama.cpp: serve a GGUF with --engine "
             "llama.cpp --gguf FILE"
         )
+    check_port(args.host, args.port)  # before the model loads: a port in use fails in a second, not after it
+    args.max_length = resolve_max_length(args.max_length, args.index)
     if args.engine == "llama.cpp":
         app, config = _llamacpp_app(args, values)
     else:
@@ -97,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(**values)
         app = create_app(encoder, config, index)
     _warn_if_exposed(args.host, config.api_key is not None)
+    check_port(args.host, args.port)  # again: the model took its time to load, and the line below says it serves
     print(
         f"unimae serving {config.model_name} on http://{args.host}:{args.port} (Ctrl-C stops after in-flight requests)"
     )
@@ -159,6 +170,64 @@ def _load_encoder(args: argparse.Namespace) -> tuple:
         device=args.device,
     )
     return encoder, None, model
+
+
+def port_argument(value: str) -> int:
+    """``--port``: an integer from 0 to 65535 (0: any free port), else a usage error before anything loads."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: give a number from 0 to 65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: give a number from 0 to 65535")
+    return port
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError naming the address and what to do unless the server can listen on ``host``:``port`` (in use, an
+    address this machine does not have, a privileged port): bound as uvicorn binds it (every address ``host``
+    resolves to, ``SO_REUSEADDR``), then let go."""
+    import errno
+    import socket
+
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}; check --host") from None
+    for family, kind, proto, _, address in dict.fromkeys(addresses):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                hint = {
+                    errno.EADDRINUSE: "another process listens there: stop it or pass another --port",
+                    errno.EACCES: "ports below 1024 need privileges: pass another --port",
+                    errno.EADDRNOTAVAIL: "this machine has no such address: check --host",
+                }.get(err.errno, "check --host and --port")
+                raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}; {hint}") from None
+
+
+def resolve_max_length(given: int | None, index: str | None) -> int:
+    """``--max-length``: as given, else :data:`DEFAULT_MAX_LENGTH`; with ``--index``, the length its passages were
+    embedded at (queries are embedded the same way), and a given value that differs is an error, before any model
+    loads."""
+    if not index:
+        return DEFAULT_MAX_LENGTH if given is None else given
+    from unimae.retrieval.index import finished_manifest
+
+    built = finished_manifest(Path(index)).get("max_length")
+    if built is None:  # not recorded: the loaders say what is wrong with the index
+        return DEFAULT_MAX_LENGTH if given is None else given
+    if given is not None and given != built:
+        raise ValueError(
+            f"--max-length {given} differs from the index's max_length {built}: the passages in {index} were "
+            f"embedded at {built} tokens and queries must be embedded the same way. Leave --max-length out (the "
+            f"index's {built} is used), or rebuild the index with `unimae index --max-length {given}`"
+        )
+    return int(built)
 
 
 def resolve_api_key(from_argv: str | None, key_file: str | None) -> str | None:

@@ -39,7 +39,11 @@ class ServerConfig:
     )
     on_too_long: str = field(
         default="truncate",
-        metadata={"help": "Input over max_length tokens: truncate or error.", "choices": ("truncate", "error")},
+        metadata={
+            "help": "An embedding input over --max-length tokens: truncate it (one warning in the log), or error: "
+            "a 400 naming the input, nothing logged.",
+            "choices": ("truncate", "error"),
+        },
     )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest request body accepted."})
     max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens a request may ask for."})

@@ -20,7 +20,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 from pydantic import BaseModel, Field, StrictInt, ValidationError, field_validator, model_validator
@@ -73,12 +73,60 @@ def parse_body(raw: bytes, schema: type[Body]) -> Body:
     try:
         return schema.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "finite_number":  # "NaN", "inf": not "must be <= 2"
-            message = "must be a finite number"
-        raise APIError(400, f"invalid '{where}': {message}" if where else message, param=where) from err
+        raise validation_error(err, schema) from err
+
+
+def validation_error(err: ValidationError, schema: type[BaseModel]) -> APIError:
+    """The 400 of a body ``schema`` refused: the first field wrong, named by its path in the body (``stop``,
+    ``messages.0.content``), never by pydantic's union member tags (``stop.str``, ``content.list[any]``).
+
+    A value no member of a union takes fails once per member, at the same field (``"stop": 5``: not a string,
+    not a list): the message names what each wanted. When one member got further into the value (``"stop":
+    [5]``: a list, but of no strings), its deeper error is the one reported (``stop.0``)."""
+    errors = [(field_path(schema, e["loc"]), e) for e in err.errors()]
+    where = errors[0][0]
+    same_field = [(path, e) for path, e in errors if path[: len(where)] == where] if where else errors[:1]
+    where = max(same_field, key=lambda item: len(item[0]))[0]  # the first of the deepest
+    messages = [_message(e) for path, e in same_field if path == where]
+    message = messages[0]
+    if len(messages) > 1 and all(m.startswith("Input should be ") for m in messages):
+        wanted = dict.fromkeys(m.removeprefix("Input should be ") for m in messages)  # distinct, in order
+        message = "Input should be " + " or ".join(wanted)
+    param = ".".join(str(p) for p in where) or None
+    return APIError(400, f"invalid '{param}': {message}" if param else message, param=param)
+
+
+def _message(error: dict) -> str:
+    if error["type"] == "finite_number":  # "NaN", "inf": not "must be <= 2"
+        return "must be a finite number"
+    return error["msg"].removeprefix("Value error, ")
+
+
+def field_path(schema: type[BaseModel], loc: tuple) -> tuple:
+    """A pydantic error location -> the path of the field in the body: field names and list indexes, without the
+    tags pydantic puts between them for the member of a union it tried (``str``, ``list[str]``, ``int``,
+    ``function-after[...]`` ...). A name is kept where it is a field of the model at that depth (nested models
+    found through lists and unions: ``messages.0.content``); anything else is such a tag (the schemas have no
+    typed dicts, whose keys would be dropped too)."""
+    path, model = [], schema
+    for item in loc:
+        if isinstance(item, int):
+            path.append(item)  # a list index: the items are of the model the list holds, if any
+        elif model is not None and item in model.model_fields:
+            path.append(item)
+            model = _model_in(model.model_fields[item].annotation)
+    return tuple(path)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's annotation holds (``list[ChatMessage]``, ``StreamOptions | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import re
 import threading
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
 
 from unimae.embedding.pooling import PooledInput
+from unimae.embedding.tokenization import TextTooLongWarning
 from unimae.encoder import Encoder
 from unimae.generation.decoding import decode_tokens, warm_up
 from unimae.generation.sampling import GenerationParams
@@ -58,6 +61,8 @@ class TorchEngine:
         self.context = encoder.context
         self.embedding_dim, self.max_length = encoder.embedding_dim, encoder.max_length
         self.matryoshka_dims, self.rotation = encoder.spec.matryoshka_dims, encoder.rotation
+        if config.on_too_long == "error":
+            _quiet_refused_truncation(self.max_length + 2)
         self.embedding_inputs(["warm up"], None, config.on_too_long == "error")  # truncation set before threads
 
     def start(self) -> None:
@@ -124,6 +129,18 @@ class TorchEngine:
         self, query: str, prompt: RAGPrompt, params: GenerationParams, cancel: threading.Event
     ) -> Iterator[list[Hit] | str | RAGAnswer]:
         return self.rag.stream(query, params=params, cancel=cancel, decode=self.decode, prompt=prompt)
+
+
+def _quiet_refused_truncation(length: int) -> None:
+    """Ignore the TextTooLongWarning of ``embedding_inputs(over=True)``: it cuts an input over ``max_length`` at
+    ``length`` (``max_length + 2``) only to learn that it is over, and the route refuses it with a 400 that says
+    so; "texts longer than max_length=514 tokens were truncated" in the log would name a length nobody set and a
+    truncation nothing was embedded from. Only that length's warning: a RAG query cut at ``max_length`` still
+    warns. A process-wide filter, set once: ``warnings.catch_warnings`` around each call is not thread-safe, and
+    the inputs are built in worker threads."""
+    warnings.filterwarnings(
+        "ignore", message=re.escape(f"texts longer than max_length={length} tokens "), category=TextTooLongWarning
+    )
 
 
 def _embed_chunk(encoder: Encoder, lock: ModelLock, inputs: list[PooledInput]) -> np.ndarray:
