@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,30 @@ def post_embeddings(encoder, bodies: list[dict]) -> list:
         return responses
 
     return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def serving_in_a_thread(app, wait: float = 60) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a thread on a free 127.0.0.1 port -> its base URL; stopped on exit. ``wait``
+    seconds: a guard against a hang, never an ordering device."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + wait
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(wait)

@@ -8,11 +8,10 @@ import asyncio
 import json
 import logging
 import threading
-import time
 
 import httpx
 import pytest
-from conftest import REQUIRE_EXTRAS, SENTENCES, RecordingTokenizer
+from conftest import REQUIRE_EXTRAS, SENTENCES, RecordingTokenizer, serving_in_a_thread
 
 from unimae.embedding.tokenization import char_budget
 from unimae.encoder import Encoder
@@ -399,22 +398,8 @@ def test_langchain_openai_drives_the_server(tiny_sources, kind):
     langchain_openai = pytest.importorskip(
         "langchain_openai", reason="langchain-openai is not installed (pip install 'unimae[dev]')"
     )
-    import socket
-
-    import uvicorn
-
-    app = _app(kind, tiny_sources)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + WAIT
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        base = f"http://127.0.0.1:{port}/v1"
+    with serving_in_a_thread(_app(kind, tiny_sources), WAIT) as url:
+        base = f"{url}/v1"
         embeddings = langchain_openai.OpenAIEmbeddings(
             model="tiny", base_url=base, api_key="none", check_embedding_ctx_length=False, chunk_size=4
         )
@@ -428,6 +413,3 @@ def test_langchain_openai_drives_the_server(tiny_sources, kind):
         for chunk in chunks[1:]:
             total = total + chunk
         assert total.usage_metadata is not None and total.usage_metadata["output_tokens"] >= 1
-    finally:
-        server.should_exit = True
-        thread.join(WAIT)

@@ -11,14 +11,11 @@ embeds them; seeds take OpenAI's int64 range; ``GET /v1/models/{id}``; CORS for 
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-from conftest import REQUIRE_EXTRAS, SENTENCES
+from conftest import REQUIRE_EXTRAS, SENTENCES, serving_in_a_thread
 
 from unimae.encoder import Encoder
 from unimae.serving.app import create_app
@@ -68,22 +65,8 @@ def _engine_app(kind: str, encoder: Encoder, gguf, **options):
 @pytest.fixture(scope="module")
 def base(encoder):
     """The URL of a server with the default limits and an API key, on 127.0.0.1 (uvicorn in a thread)."""
-    import uvicorn
-
-    app = create_app(encoder, ServerConfig(model_name=MODEL, api_key=KEY))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(WAIT)
+    with serving_in_a_thread(create_app(encoder, ServerConfig(model_name=MODEL, api_key=KEY)), WAIT) as url:
+        yield url
 
 
 @pytest.fixture
