@@ -253,11 +253,12 @@ def test_a_completion_whose_client_leaves_ends_its_generation_and_frees_its_slot
     from unimae.generation.sampling import GenerationParams
     from unimae.serving.routes.completions import _generate
 
-    ended = threading.Event()
+    ended, client, loops = threading.Event(), _Client(), []
 
     def generate(ids, params, cancel):  # an engine's generation: one piece, then nothing until cancelled
         try:
             yield "a"
+            loops[0].call_soon_threadsafe(client.leave.set)  # the client leaves once the generation runs
             cancel.wait()
         finally:  # run out or closed: the generation has ended either way
             ended.set()
@@ -265,11 +266,10 @@ def test_a_completion_whose_client_leaves_ends_its_generation_and_frees_its_slot
     params = GenerationParams(max_new_tokens=64)
 
     async def scenario():
+        loops.append(asyncio.get_running_loop())
         state = SimpleNamespace(slots=GenerationSlots(1, 0), engine=SimpleNamespace(generate=generate))
-        client = _Client()
-        client.leave.set()  # gone before its generation could end on its own
         with pytest.raises(APIError) as err:
-            await _generate(state, [1, 5], params, client)
+            await _generate(state, [([1, 5], params)], client)
         assert err.value.status == 499 and ended.is_set()
         assert (state.slots.running, state.slots.waiting) == (0, 0)  # the slot is free for the next request
 
