@@ -54,8 +54,9 @@ def build_inputs(pooling: str, tokenizer, texts: Sequence[str], max_length: int,
 
 
 @register_pooling("eos")
-def _eos(tokenizer, texts, max_length, **_) -> list[PooledInput]:
-    return [PooledInput(ids, [0] * (len(ids) - 1) + [1]) for ids in encode_with_eos(tokenizer, texts, max_length)]
+def _eos(tokenizer, texts, max_length, warn: bool = True, **_) -> list[PooledInput]:
+    encoded = encode_with_eos(tokenizer, texts, max_length, warn=warn)  # warn: a TextTooLongWarning on truncation
+    return [PooledInput(ids, [0] * (len(ids) - 1) + [1]) for ids in encoded]
 
 
 @register_pooling("mean")

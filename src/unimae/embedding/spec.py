@@ -115,10 +115,13 @@ class EmbeddingSpec:
         kept["rotation"] = self.rotation if pooling == self.pooling and not options else ""  # fitted on these vectors
         return dataclasses.replace(self, pooling=pooling, summary_ids=(), echo_template=False, **{**kept, **options})
 
-    def build_inputs(self, tokenizer, texts: Sequence[str], max_length: int, prompt: str = "") -> list[PooledInput]:
-        """Token ids and pool masks of ``texts`` for this pooling, each text after the text prefix ``prompt``."""
+    def build_inputs(
+        self, tokenizer, texts: Sequence[str], max_length: int, prompt: str = "", warn: bool = True
+    ) -> list[PooledInput]:
+        """Token ids and pool masks of ``texts`` for this pooling, each text after the text prefix ``prompt``;
+        ``warn=False``: no TextTooLongWarning for a truncated text (a caller that refuses it instead)."""
         texts = with_prompt(texts, prompt)
-        return build_inputs(self.pooling, tokenizer, texts, max_length, **self.pooling_options)
+        return build_inputs(self.pooling, tokenizer, texts, max_length, warn=warn, **self.pooling_options)
 
     def forward(self, model, input_ids, attention_mask, pool_mask) -> torch.Tensor:
         """(B, T) ids, mask and pool mask -> (B, D) embeddings under this attention rule."""

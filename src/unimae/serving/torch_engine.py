@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import re
 import threading
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
 
 from unimae.embedding.pooling import PooledInput
-from unimae.embedding.tokenization import TextTooLongWarning
 from unimae.encoder import Encoder
 from unimae.generation.decoding import decode_tokens, warm_up
 from unimae.generation.sampling import GenerationParams
@@ -61,8 +58,6 @@ class TorchEngine:
         self.context = encoder.context
         self.embedding_dim, self.max_length = encoder.embedding_dim, encoder.max_length
         self.matryoshka_dims, self.rotation = encoder.spec.matryoshka_dims, encoder.rotation
-        if config.on_too_long == "error":
-            _quiet_refused_truncation(self.max_length + 2)
         self.embedding_inputs(["warm up"], None, config.on_too_long == "error")  # truncation set before threads
 
     def start(self) -> None:
@@ -90,7 +85,8 @@ class TorchEngine:
 
         ``over`` (``on_too_long='error'``): built for ``max_length + 2`` tokens: an input longer than
         ``max_length`` comes out longer than that (the route refuses it), and every other input is exactly what
-        ``max_length`` gives (truncation is the only effect of the length on every pooling). Two, not one: echo
+        ``max_length`` gives (truncation is the only effect of the length on every pooling), and no truncation
+        warning is emitted (the route refuses those inputs itself). Two, not one: echo
         halves its budget between the two copies, so one more token may not lengthen a truncated echo input.
 
         The tokenizer is the encoder's, copied once, and always called with the same truncation setting (the
@@ -100,7 +96,7 @@ class TorchEngine:
         length = self.max_length + 2 if over else self.max_length
         spec = self.encoder.spec
         prompt = spec.prompt_map.get(input_type, "") if input_type else ""  # no such prompt: the texts as they are
-        return spec.build_inputs(self.embedding_tokenizer, texts, length, prompt=prompt)
+        return spec.build_inputs(self.embedding_tokenizer, texts, length, prompt=prompt, warn=not over)
 
     async def embed(self, inputs: list[PooledInput]) -> np.ndarray:
         return await self.batcher.submit(inputs)  # (N, D) unit rows
@@ -129,18 +125,6 @@ class TorchEngine:
         self, query: str, prompt: RAGPrompt, params: GenerationParams, cancel: threading.Event
     ) -> Iterator[list[Hit] | str | RAGAnswer]:
         return self.rag.stream(query, params=params, cancel=cancel, decode=self.decode, prompt=prompt)
-
-
-def _quiet_refused_truncation(length: int) -> None:
-    """Ignore the TextTooLongWarning of ``embedding_inputs(over=True)``: it cuts an input over ``max_length`` at
-    ``length`` (``max_length + 2``) only to learn that it is over, and the route refuses it with a 400 that says
-    so; "texts longer than max_length=514 tokens were truncated" in the log would name a length nobody set and a
-    truncation nothing was embedded from. Only that length's warning: a RAG query cut at ``max_length`` still
-    warns. A process-wide filter, set once: ``warnings.catch_warnings`` around each call is not thread-safe, and
-    the inputs are built in worker threads."""
-    warnings.filterwarnings(
-        "ignore", message=re.escape(f"texts longer than max_length={length} tokens "), category=TextTooLongWarning
-    )
 
 
 def _embed_chunk(encoder: Encoder, lock: ModelLock, inputs: list[PooledInput]) -> np.ndarray:
