@@ -8,7 +8,8 @@ are generated from the evaluation's result files (``unimae release --card-only``
 
 Names resolve like offline models (:func:`resolve_adapter`): ``Encoder.from_pretrained("gemma3-270m",
 adapter="unimae-gemma3-270m-retriever")`` finds ``releases/unimae-gemma3-270m-retriever`` from any working
-directory (the folders of ``$UNIMAE_RELEASES``, ``:``-separated, are searched first, then the repository's).
+directory (the folders of ``$UNIMAE_RELEASES``, ``:``-separated, are searched first, then the repository's, then
+the copies a wheel carries in ``unimae/_releases``: ``setup.py`` puts them there).
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ logger = logging.getLogger(__name__)
 
 RELEASES_ENV = "UNIMAE_RELEASES"
 REPOSITORY_RELEASES = Path(__file__).resolve().parents[2] / "releases"  # a source checkout / editable install
+PACKAGED_RELEASES = Path(__file__).resolve().parent / "_releases"  # a wheel install (setup.py copies them in)
 MAX_WEIGHTS_BYTES = 16 * 2**20
 RELEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 RELEASE_FILES = ("adapter_model.safetensors", "adapter_config.json", ADAPTER_META, "README.md")
 
 
 def release_roots() -> list[Path]:
-    """Folders searched for release names, in order: ``$UNIMAE_RELEASES`` entries, then the repository's."""
+    """Folders searched for release names, in order: ``$UNIMAE_RELEASES`` entries, then the repository's, then a
+    wheel's (where it exists)."""
     extra = [Path(p).expanduser() for p in os.environ.get(RELEASES_ENV, "").split(os.pathsep) if p]
-    return [*extra, REPOSITORY_RELEASES]
+    packaged = [PACKAGED_RELEASES] if PACKAGED_RELEASES.is_dir() else []
+    return [*extra, REPOSITORY_RELEASES, *packaged]
 
 
 def available_releases() -> list[str]:
