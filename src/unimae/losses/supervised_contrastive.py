@@ -13,6 +13,7 @@ from torch import nn
 
 from unimae.embedding.pooling import last_hidden, pool
 from unimae.losses.cross_entropy import logit_softcap
+from unimae.losses.distillation import in_batch_distillation
 from unimae.losses.info_nce import info_nce
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
@@ -36,6 +37,11 @@ class ContrastiveObjective(Objective):
     prefix re-normalised before the cosine (``info_nce`` normalises), weights 1: what sentence-transformers'
     ``MatryoshkaLoss`` computes around its inner loss. That class wraps a SentenceTransformer module's forward;
     here the embeddings are already pooled (and cached by the gradient cache), so the sum is taken directly.
+
+    ``distill_weight`` > 0 adds ``distill_weight x L_KD`` (:func:`~unimae.losses.distillation.in_batch_distillation`)
+    on the full vector: the batch then carries ``teacher_scores`` (B, B + K), a teacher's cosines of the same
+    queries and candidates, softened by ``teacher_temperature``. Part of :meth:`loss`, so the gradient cache
+    computes it as it does InfoNCE; the log's ``"contrastive"`` is InfoNCE + that term.
     """
 
     def __init__(
@@ -48,6 +54,8 @@ class ContrastiveObjective(Objective):
         lm_texts: int = 0,
         ce_chunk_size: int = 1024,
         matryoshka_dims: tuple[int, ...] = (),
+        distill_weight: float = 0.0,
+        teacher_temperature: float = 0.05,
     ):
         super().__init__(llm)
         self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
@@ -57,9 +65,11 @@ class ContrastiveObjective(Objective):
         if any(m > full for m in matryoshka_dims):
             raise ValueError(f"--matryoshka-dims {list(matryoshka_dims)}: each must be at most the model's size {full}")
         self.dims = tuple(sorted({*matryoshka_dims, full}))  # M: the prefix sizes, the full vector last
+        self.distill_weight, self.teacher_temperature = distill_weight, teacher_temperature
 
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
-        """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``)."""
+        """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``),
+        plus ``distill_weight x L_KD`` when distilling."""
         b = int(batch["num_queries"])
         exclude = batch.get("false_negatives")
         losses = [
@@ -68,6 +78,13 @@ class ContrastiveObjective(Objective):
             )  # (B, m) vs (B+K, m)
             for m in self.dims
         ]
+        if self.distill_weight:
+            if "teacher_scores" not in batch:
+                raise KeyError("distill_weight > 0 needs the batch's teacher_scores (--distill-teacher)")
+            kd = in_batch_distillation(
+                z[:b], z[b:], batch["teacher_scores"], self.temperature, self.teacher_temperature, exclude=exclude
+            )
+            losses.append(self.distill_weight * kd)
         return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:

@@ -174,9 +174,11 @@ _RESUME_MAY_CHANGE = {
     "ce_chunk_size", "device",
 }  # fmt: skip
 # ...and a run continued from an adapter (``--continue-adapter``): its optimizer starts afresh anyway, so its learning
-# rate and the contrastive schedule may change too (e.g. a decay over the new steps).
+# rate and the contrastive schedule may change too (e.g. a decay over the new steps), and so may a distillation
+# teacher's term added to the loss of the new steps.
 _CONTINUE_MAY_CHANGE = _RESUME_MAY_CHANGE | {
     "continue_adapter", "init_adapter", "init_lora", "lr", "lr_schedule", "lr_decay_from",
+    "distill_teacher", "distill_weight", "distill_temperature",
 }  # fmt: skip
 
 

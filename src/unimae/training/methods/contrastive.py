@@ -16,6 +16,9 @@ project, not of the papers: short unprompted texts, which mteb embeds without a 
 the training distribution).
 ``--matryoshka-dims`` sums InfoNCE over the full vector and each truncated prefix (see
 :class:`~unimae.losses.supervised_contrastive.ContrastiveObjective`); the dimensions are saved in the spec as well.
+``--distill-teacher`` (a sentence-transformers model) adds in-batch distillation: each query's softmax over the
+batch's candidates also matches the teacher's (:mod:`unimae.losses.distillation`; this project's option, not the
+papers'), weighted by ``--distill-weight``.
 ``--lr-schedule linear|cosine`` decays ``--lr`` from step ``--lr-decay-from`` to 0 at ``--steps`` (constant by
 default, UniMAE App. C; the decay is this project's option, see :meth:`Contrastive.lr_lambda`).
 """
@@ -23,6 +26,7 @@ default, UniMAE App. C; the decay is this project's option, see :meth:`Contrasti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -38,6 +42,7 @@ from unimae.training.methods.base import Context, Method, decayed_lr, pooled_bat
 from unimae.training.methods.options import InfoNCEOptions, pooling_field
 from unimae.training.methods.registry import register_method
 from unimae.training.methods.simcse import init_spec_with_pooling
+from unimae.training.teacher import Teacher, load_teacher
 
 __all__ = ["Contrastive", "ContrastiveOptions", "load_pairs"]
 
@@ -140,6 +145,23 @@ class ContrastiveOptions(InfoNCEOptions):
             "adapter's steps included) where the decay starts; the steps before it keep --lr."
         },
     )
+    distill_teacher: str = field(
+        default="",
+        metadata={
+            "help": "[decision] A sentence-transformers model (folder or Hub id) to distill from: each query's "
+            "softmax over the batch's candidates also matches the teacher's, KL(teacher || student) (RocketQAv2's "
+            "listwise distillation, arXiv:2110.07367) times --distill-weight; the teacher embeds the pairs' raw "
+            "texts (no prompts). Needs the whole batch in one micro-batch on one process; empty: off."
+        },
+    )
+    distill_weight: float = field(default=1.0, metadata={"help": "With --distill-teacher: the weight of its term."})
+    distill_temperature: float = field(
+        default=0.05,
+        metadata={
+            "help": "With --distill-teacher: the temperature of the teacher's softmax over its cosines (0.05: the "
+            "scale 20 that sentence-transformers' all-* models were trained with)."
+        },
+    )
     grad_cache_chunk: int = field(
         default=0,
         metadata={
@@ -173,7 +195,21 @@ class ContrastiveOptions(InfoNCEOptions):
             raise ValueError(f"--query-prompt-dropout must be in [0, 1], got {self.query_prompt_dropout}")
         self._check_schedule(config)
         self._check_grad_cache(config, world_size)
+        self._check_distill(config, world_size)
         self._warn_unused()
+
+    def _check_distill(self, config: TrainConfig, world_size: int) -> None:
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise ValueError(
+                f"--distill-weight must be >= 0 and --distill-temperature > 0, got {self.distill_weight} and "
+                f"{self.distill_temperature}"
+            )
+        if self.distill_teacher and (config.micro_batch_size != config.batch_size or world_size > 1):
+            raise ValueError(
+                "--distill-teacher scores each query against the whole batch's candidates: it needs "
+                f"--micro-batch-size equal to --batch-size ({config.batch_size}, got {config.micro_batch_size}; "
+                "--grad-cache-chunk keeps memory bounded) and one process"
+            )
 
     def _warn_unused(self) -> None:
         """A warning for each option set where nothing reads it (the run goes on without it)."""
@@ -181,6 +217,8 @@ class ContrastiveOptions(InfoNCEOptions):
             "--lm-texts (without --lm-weight)": self.lm_texts and not self.lm_weight,
             "--query-prompt-dropout (without --query-prompt)": self.query_prompt_dropout and not self.query_prompt,
             "--lr-decay-from (with --lr-schedule constant)": self.lr_decay_from and self.lr_schedule == "constant",
+            "--distill-weight / --distill-temperature (without --distill-teacher)": not self.distill_teacher
+            and (self.distill_weight != 1.0 or self.distill_temperature != 0.05),
         }
         for option, ignored in unused.items():
             if ignored:
@@ -257,6 +295,8 @@ class Contrastive(Method):
         kwargs = {"lm_weight": o.lm_weight, "lm_texts": o.lm_texts, "ce_chunk_size": self.config.ce_chunk_size}
         if o.dims:
             kwargs["matryoshka_dims"] = o.dims
+        if o.distill_teacher:
+            kwargs.update(distill_weight=o.distill_weight, teacher_temperature=o.distill_temperature)
         if o.grad_cache_chunk:
             return GradCacheContrastiveObjective(*args, chunk_size=o.grad_cache_chunk, **kwargs)
         return ContrastiveObjective(*args, **kwargs)
@@ -271,7 +311,15 @@ class Contrastive(Method):
             rows, negatives = pair_groups(list(records))
             groups, candidates = torch.tensor(rows), torch.tensor(rows + negatives)
             extra["false_negatives"] = groups[:, None] == candidates[None, :]  # (B, B + K); diagonal kept by info_nce
+        if self.options.distill_teacher:
+            documents = [r["positive"] for r in records] + [r["negative"] for r in records if r.get("negative")]
+            extra["teacher_scores"] = self.teacher.scores([r["query"] for r in records], documents)  # (B, B + K)
         return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, self.embedding_spec(), **extra)
+
+    @functools.cached_property
+    def teacher(self) -> Teacher:
+        """The ``--distill-teacher``, loaded at its first batch."""
+        return load_teacher(self.options.distill_teacher, self.config.max_length)
 
     def _prompts(self, sources) -> tuple[str, str]:
         """(query prefix, document prefix) of a batch: '' for a symmetric source's pairs (a batch is one source)."""
