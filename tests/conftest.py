@@ -193,3 +193,26 @@ def serving_in_a_thread(app, wait: float = 60) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(wait)
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    """Serve without loading a model or binding a port; returns the ServerConfigs create_app received."""
+    configs = []
+    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
+    monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: configs.append(config))
+    monkeypatch.setattr("unimae.cli.serve.run_uvicorn", lambda app, sock, config: sock.close())
+    monkeypatch.setattr("unimae.cli.serve.check_port", lambda host, port: None)  # 8000 may be taken here
+    monkeypatch.setattr("unimae.cli.serve.listen", lambda host, port: _Bound())
+    monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
+    return configs
+
+
+class _Bound:
+    """A stand-in for the bound socket of ``serve.listen``."""
+
+    def getsockname(self):
+        return ("127.0.0.1", 8000)
+
+    def close(self):
+        pass

@@ -102,18 +102,6 @@ def test_embed_missing_input_file_is_a_clear_error(tmp_path, capsys):
     assert f"input file {tmp_path / 'nope.txt'} does not exist" in capsys.readouterr().err
 
 
-@pytest.fixture
-def fake_server(monkeypatch):
-    """Serve without loading a model or binding a port; returns the ServerConfigs create_app received."""
-    configs = []
-    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
-    monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: configs.append(config))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
-    monkeypatch.setattr("unimae.cli.serve.check_port", lambda host, port: None)  # 8000 may be taken here
-    monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
-    return configs
-
-
 def test_serve_limits_malloc_arenas_before_loading_the_model(fake_server, monkeypatch):
     """The worker threads' arenas are capped before any thread can make one (runtime.memory.limit_arenas)."""
     events = []
@@ -157,12 +145,12 @@ def test_api_key_from_the_environment_and_bad_key_files(fake_server, monkeypatch
 
 @pytest.fixture
 def loads(monkeypatch):
-    """The keyword arguments of every Encoder.from_pretrained call (no model is loaded), with uvicorn.run and
-    create_app faked as in ``fake_server`` but the port really checked."""
+    """The keyword arguments of every Encoder.from_pretrained call (no model is loaded), with uvicorn and
+    create_app faked as in ``fake_server`` but the port really checked and bound."""
     calls = []
     monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: calls.append(kwargs))
     monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: None)
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    monkeypatch.setattr("unimae.cli.serve.run_uvicorn", lambda app, sock, config: sock.close())
     monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
     return calls
 
@@ -251,6 +239,25 @@ def test_serve_on_a_port_in_use_fails_in_one_line_without_claiming_to_serve(load
     monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
     assert main(["serve", "--model", "m", "--port", port]) == 0  # free again
     assert f"unimae serving m on http://127.0.0.1:{port}" in capsys.readouterr().out
+
+
+def test_serve_port_0_prints_the_port_it_bound_and_holds_it(loads, monkeypatch, capsys):
+    """Before: `serve --port 0` printed "on http://127.0.0.1:0" and uvicorn bound a port of its own later. Now the
+    socket is bound before the line is printed, the line names its port, and uvicorn serves on that socket."""
+    import socket
+
+    served = []
+
+    def run(app, sock, config):
+        served.append(sock.getsockname()[1])
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", served[-1]))  # the port is held while the server runs
+        sock.close()
+
+    monkeypatch.setattr("unimae.cli.serve.run_uvicorn", run)
+    assert main(["serve", "--model", "m", "--port", "0"]) == 0
+    (port,) = served
+    assert port != 0 and f"unimae serving m on http://127.0.0.1:{port} " in capsys.readouterr().out
 
 
 def _adapter(tiny_dir, directory, spec, seed: int) -> str:

@@ -433,34 +433,32 @@ def _read_response(sock) -> tuple[int, bytes]:
 
 @contextlib.contextmanager
 def _serving(tiny_model_dirs, monkeypatch, *flags: str) -> Iterator[int]:
-    """``unimae serve`` with ``flags`` on a free loopback port (yielded), in a thread; stopped on exit."""
-    import socket
+    """``unimae serve --port 0`` with ``flags`` in a thread, its uvicorn server kept so the test can stop it; yields
+    the port the server bound (what `serve` prints); stopped on exit."""
     import threading
 
     import uvicorn
 
-    servers: list[uvicorn.Server] = []
+    servers: list[tuple[uvicorn.Server, int]] = []
+    real_run = uvicorn.Server.run
 
-    def run(app, **options):  # uvicorn.run with the options `unimae serve` passes, on a server the test can stop
-        servers.append(uvicorn.Server(uvicorn.Config(app, **options)))
-        servers[-1].run()
+    def run(self, sockets=None):  # the Server `unimae serve` made, with its options, noted before it runs
+        servers.append((self, sockets[0].getsockname()[1]))
+        return real_run(self, sockets=sockets)
 
-    monkeypatch.setattr("uvicorn.run", run)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", "--port", str(port), *flags]
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    argv = ["serve", "--model", str(tiny_model_dirs["llama"]), "--precision", "fp32", "--port", "0", *flags]
     thread = threading.Thread(target=main, args=(argv,), daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + WAIT
-        while not (servers and servers[0].started):
+        while not (servers and servers[0][0].started):
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
-        yield port
+        yield servers[0][1]
     finally:
         if servers:
-            servers[0].should_exit = True
+            servers[0][0].should_exit = True
         thread.join(WAIT)
     assert not thread.is_alive()
 

@@ -402,19 +402,13 @@ def test_cors_answers_the_preflight_before_the_api_key(encoder):
         ServerConfig(cors_origins="https://a.example,,https://b.example")
 
 
-def test_serve_takes_cors_origins(monkeypatch):
+def test_serve_takes_cors_origins(fake_server, monkeypatch):
     from unimae.cli import main
 
-    configs = []
     monkeypatch.setattr("unimae.runtime.memory.limit_arenas", lambda count=2: None)
-    monkeypatch.setattr("unimae.encoder.Encoder.from_pretrained", lambda *args, **kwargs: "encoder")
-    monkeypatch.setattr("unimae.serving.app.create_app", lambda encoder, config, index: configs.append(config))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
-    monkeypatch.setattr("unimae.cli.serve.check_port", lambda host, port: None)  # 8000 may be taken here
-    monkeypatch.delenv("UNIMAE_API_KEY", raising=False)
     assert main(["serve", "--model", "m", "--cors-origins", "*"]) == 0
     assert main(["serve", "--model", "m"]) == 0
-    assert [c.cors_origins for c in configs] == ["*", None]
+    assert [c.cors_origins for c in fake_server] == ["*", None]
 
 
 def test_a_request_cancel_reaches_the_running_generation_and_stops_the_rest():

@@ -80,10 +80,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from unimae.runtime import memory
-    from unimae.serving.header_timeout import header_timeout_protocol
 
     memory.limit_arenas(2)  # before the threads that would make the arenas: the model's, the workers'
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
@@ -107,20 +104,28 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(**values)
         app = create_app(encoder, config, index)
     _warn_if_exposed(args.host, config.api_key is not None)
-    check_port(args.host, args.port)  # again: the model took its time to load, and the line below says it serves
-    print(
-        f"unimae serving {config.model_name} on http://{args.host}:{args.port} (Ctrl-C stops after in-flight requests)"
-    )
-    uvicorn.run(
+    sock = listen(args.host, args.port)  # bound now: the line below names the port it holds (0: the system's pick)
+    url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{sock.getsockname()[1]}"
+    print(f"unimae serving {config.model_name} on {url} (Ctrl-C stops after in-flight requests)", flush=True)
+    run_uvicorn(app, sock, config)
+    return 0
+
+
+def run_uvicorn(app, sock, config: ServerConfig) -> None:
+    """Serve ``app`` with uvicorn on the bound socket ``sock`` until Ctrl-C (in-flight requests finish, 30 s at
+    most)."""
+    import uvicorn
+
+    from unimae.serving.header_timeout import header_timeout_protocol
+
+    options = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_level="warning",
         timeout_graceful_shutdown=30,
         timeout_keep_alive=config.keep_alive_s,
         http=header_timeout_protocol(config.header_timeout_s),
     )
-    return 0
+    uvicorn.Server(options).run(sockets=[sock])
 
 
 def _llamacpp_app(args: argparse.Namespace, values: dict) -> tuple:
@@ -185,9 +190,8 @@ def port_argument(value: str) -> int:
 
 def check_port(host: str, port: int) -> None:
     """OSError naming the address and what to do unless the server can listen on ``host``:``port`` (in use, an
-    address this machine does not have, a privileged port): bound as uvicorn binds it (every address ``host``
-    resolves to, ``SO_REUSEADDR``), then let go."""
-    import errno
+    address this machine does not have, a privileged port): every address ``host`` resolves to bound with
+    ``SO_REUSEADDR``, then let go. The check before the model loads; :func:`listen` binds the one it serves on."""
     import socket
 
     try:
@@ -196,18 +200,42 @@ def check_port(host: str, port: int) -> None:
         raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}; check --host") from None
     for family, kind, proto, _, address in dict.fromkeys(addresses):
         with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as err:
-                hint = {
-                    errno.EADDRINUSE: "another process listens there: stop it or pass another --port",
-                    errno.EACCES: "ports below 1024 need privileges: pass another --port",
-                    errno.EADDRNOTAVAIL: "this machine has no such address: check --host",
-                }.get(err.errno, "check --host and --port")
-                raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}; {hint}") from None
+            _bind(sock, address, host, port)
+
+
+def listen(host: str, port: int):
+    """The socket the server serves on, bound as uvicorn binds its own (IPv6 where ``host`` has a ':', else IPv4;
+    ``SO_REUSEADDR``): nothing can take the port between this and the serving, and with ``port`` 0 its
+    ``getsockname()`` names the port the system picked. Errors as :func:`check_port`'s."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        _bind(sock, (host, port), host, port)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind(sock, address, host: str, port: int) -> None:
+    """``sock.bind(address)`` with ``SO_REUSEADDR``, or an OSError saying what to do about ``host``:``port``."""
+    import errno
+    import socket
+
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        hint = {
+            errno.EADDRINUSE: "another process listens there: stop it or pass another --port",
+            errno.EACCES: "ports below 1024 need privileges: pass another --port",
+            errno.EADDRNOTAVAIL: "this machine has no such address: check --host",
+        }.get(err.errno, "check --host and --port")
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}; {hint}") from None
 
 
 def resolve_max_length(given: int | None, index: str | None) -> int:
