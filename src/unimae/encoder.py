@@ -31,7 +31,7 @@ from unimae.embedding.pooling import PooledInput, pool
 from unimae.embedding.rotation import load_rotation
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import pad_batch
-from unimae.embedding.vectors import finish_embeddings, sentence_transformers_options
+from unimae.embedding.vectors import check_dimensions, finish_embeddings, sentence_transformers_options
 from unimae.generation.kv_cache import returned_cache
 from unimae.generation.prompt import check_fits, prompt_ids
 from unimae.generation.sampling import GenerationParams
@@ -421,23 +421,6 @@ class Encoder:
 _POOLING_OPTIONS = ("summary_ids", "echo_template")
 _LOAD_OPTIONS = ("max_length", "precision", "device", "padding_side")  # from_pretrained -> Encoder
 ENCODE_BLOCK = 4096  # texts tokenized at a time by Encoder.encode (bounded memory; sorted by length within one)
-
-
-def check_dimensions(dimensions: int | None, full: int, spec: EmbeddingSpec) -> None:
-    """``dimensions`` must be None or 1..full; a prefix the adapter was not trained for gets a warning (its
-    vectors are usable but were never trained to stand alone)."""
-    if dimensions is None:
-        return
-    if isinstance(dimensions, bool) or not isinstance(dimensions, numbers.Integral) or not 1 <= dimensions <= full:
-        raise ValueError(f"dimensions must be an integer from 1 to {full} (this model's size), got {dimensions!r}")
-    if dimensions < full and dimensions not in spec.matryoshka_dims and not spec.rotation:
-        trained = list(spec.matryoshka_dims) or "none"
-        logger.warning(
-            "dimensions=%d: this adapter was not trained to embed with %d dimensions (Matryoshka dimensions: %s)",
-            dimensions,
-            dimensions,
-            trained,
-        )
 
 
 def check_batch_size(batch_size) -> None:

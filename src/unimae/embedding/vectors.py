@@ -7,10 +7,14 @@ sentence-transformers' ``encode()`` keywords ``Encoder.encode`` takes, and as wh
 
 from __future__ import annotations
 
+import functools
+import logging
 import numbers
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 EMBEDDING_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
 # sentence-transformers' encode() keywords that Encoder.encode takes under its own name (sentences: up to 5.x,
@@ -152,3 +156,25 @@ def matryoshka_prefix(vectors: np.ndarray, dimensions: int | None, rotation: np.
     if rotation is None:
         return vectors[:, :dimensions]
     return vectors @ rotation[:dimensions].T  # (N, D) x (D, k): only the k leading axes
+
+
+def check_dimensions(dimensions: int | None, full: int, spec) -> None:
+    """``dimensions`` must be None or 1..full; a prefix the adapter (``spec``, an EmbeddingSpec) was not trained for
+    gets a warning, once per process for each size (its vectors are usable but were never trained to stand
+    alone)."""
+    if dimensions is None:
+        return
+    if isinstance(dimensions, bool) or not isinstance(dimensions, numbers.Integral) or not 1 <= dimensions <= full:
+        raise ValueError(f"dimensions must be an integer from 1 to {full} (this model's size), got {dimensions!r}")
+    if dimensions < full and dimensions not in spec.matryoshka_dims and not spec.rotation:
+        _warn_untrained(int(dimensions), tuple(spec.matryoshka_dims))
+
+
+@functools.cache
+def _warn_untrained(dimensions: int, trained: tuple[int, ...]) -> None:
+    logger.warning(
+        "dimensions=%d: this adapter was not trained to embed with %d dimensions (Matryoshka dimensions: %s)",
+        dimensions,
+        dimensions,
+        list(trained) or "none",
+    )

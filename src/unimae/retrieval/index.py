@@ -73,7 +73,7 @@ from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from unimae.embedding.spec import EmbeddingSpec
-from unimae.embedding.vectors import finish_embeddings
+from unimae.embedding.vectors import check_dimensions, finish_embeddings
 from unimae.files import atomic_write, atomic_write_json, atomic_write_text, file_sha256, fsync_folder, read_json
 
 logger = logging.getLogger(__name__)
@@ -586,6 +586,8 @@ def embed_missing_shards_here(encoder, passages: Sequence[tuple[str, str]], shar
     todo = [s for s in starts if not _shard_ok(shards, s, config.shard_size, len(passages), dim)]
     if len(todo) < len(starts):
         logger.info("resuming: %d of %d shards already embedded", len(starts) - len(todo), len(starts))
+    if todo and config.dimensions:  # its warning (an untrained size) before the progress bar, not inside its line
+        check_dimensions(config.dimensions, encoder.embedding_dim, encoder.spec)
     for start in tqdm(todo, desc="index shards", unit="shard", disable=not todo):
         texts = [text for _, text in passages[start : start + config.shard_size]]
         vectors = encoder.encode_document(
