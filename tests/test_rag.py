@@ -246,6 +246,23 @@ def test_a_shard_overwritten_in_place_is_embedded_again(encoder, tmp_path, monke
     assert hits[0][0].id == PASSAGES[5][0]
 
 
+def test_a_resumed_build_hashes_each_shard_once_until_it_is_rewritten(tmp_path, monkeypatch):
+    """Before: a Ray build read every existing shard's bytes three times (before its job, for it, after it)."""
+    from unimae.retrieval import index as index_module
+
+    hashed = []
+    real = index_module.file_sha256
+    monkeypatch.setattr(index_module, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    index_module.write_shard(shards, 0, np.ones((4, 8), dtype=np.float32))
+    for _ in range(3):
+        assert index_module._shard_ok(shards, 0, 4, 10, 8)
+    assert hashed == ["00000000.npy"]
+    index_module.write_shard(shards, 0, np.full((4, 8), 2.0, dtype=np.float32))  # a new file at the path
+    assert index_module._shard_ok(shards, 0, 4, 10, 8) and hashed == ["00000000.npy"] * 2
+
+
 def test_a_passages_file_swapped_for_another_is_refused(encoder, tmp_path):
     VectorIndex.build(encoder, PASSAGES, tmp_path / "idx")
     path = tmp_path / "idx" / "passages.jsonl"

@@ -60,6 +60,7 @@ the hashes load with a warning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -621,9 +622,23 @@ def _shard_hashes(shards: Path, starts: range) -> dict[str, str]:
     hashes = {}
     for start in starts:
         recorded = _hash_path(shards, start)
-        digest = recorded.read_text().strip() if recorded.is_file() else file_sha256(_shard_path(shards, start))
+        digest = recorded.read_text().strip() if recorded.is_file() else shard_sha256(_shard_path(shards, start))
         hashes[_shard_path(shards, start).name] = digest
     return hashes
+
+
+def shard_sha256(path: Path) -> str:
+    """The SHA-256 of a shard file, read once per version of the file in this process: a build checks the shards it
+    resumes more than once (a Ray build: before its job, for its job, after it), and a shard is rewritten only by a
+    rename onto its path (:func:`write_shard`), which changes the inode and the times in the key (a write in place
+    changes the times too)."""
+    stat = path.stat()
+    return _sha256_of(str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    return file_sha256(path)
 
 
 def _shard_ok(shards: Path, start: int, size: int, total: int, dim: int) -> bool:
@@ -633,7 +648,7 @@ def _shard_ok(shards: Path, start: int, size: int, total: int, dim: int) -> bool
     if not path.is_file():
         return False
     recorded = _hash_path(shards, start)
-    if recorded.is_file() and recorded.read_text().strip() != file_sha256(path):
+    if recorded.is_file() and recorded.read_text().strip() != shard_sha256(path):
         logger.warning("shard %s does not match its recorded SHA-256 (changed or damaged); embedding it again", path)
         return False
     try:
