@@ -2,8 +2,8 @@
 texts, the targets of :func:`~unimae.losses.distillation.in_batch_distillation`.
 
 The teacher embeds the texts as they are in the pairs (no unimae prompt: those belong to the student), cut to the
-student's ``--max-length`` tokens (or the teacher's own limit, if lower), without gradients, on the CPU or the
-training device. sentence-transformers comes with the ``eval`` extra.
+student's ``--max-length`` tokens (or the teacher's own limit, if lower), without gradients, on the training's
+device. sentence-transformers comes with the ``eval`` extra.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pair
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
+from unimae.runtime.precision import resolve_device
 from unimae.training.config import TrainConfig, choice_field
 from unimae.training.methods.base import Context, Method, decayed_lr, pooled_batch
 from unimae.training.methods.options import InfoNCEOptions, pooling_field
@@ -318,8 +319,8 @@ class Contrastive(Method):
 
     @functools.cached_property
     def teacher(self) -> Teacher:
-        """The ``--distill-teacher``, loaded at its first batch."""
-        return load_teacher(self.options.distill_teacher, self.config.max_length)
+        """The ``--distill-teacher``, loaded at its first batch on the training's ``--device``."""
+        return load_teacher(self.options.distill_teacher, self.config.max_length, resolve_device(self.config.device))
 
     def _prompts(self, sources) -> tuple[str, str]:
         """(query prefix, document prefix) of a batch: '' for a symmetric source's pairs (a batch is one source)."""
