@@ -69,7 +69,7 @@ def test_dimensions_truncate_then_renormalise(tiny_model_dirs):
             enc.encode(["x"], dimensions=bad)
 
 
-def test_an_untrained_size_warns_once_and_an_index_warns_before_its_progress_bar(tiny_model_dirs, tmp_path, caplog):
+def test_an_untrained_size_warns_once_and_an_index_warns_before_its_progress_bar(tiny_model_dirs, tmp_path):
     """Before: every shard's encode call warned again, each time inside the progress bar's line."""
     from unimae.embedding import vectors
     from unimae.retrieval.index import IndexConfig, VectorIndex
@@ -79,15 +79,23 @@ def test_an_untrained_size_warns_once_and_an_index_warns_before_its_progress_bar
     events = []
     real_encode = enc.encode_document
     enc.encode_document = lambda *args, **kwargs: events.append("shard") or real_encode(*args, **kwargs)
-    caplog.set_level(logging.WARNING, logger="unimae.embedding.vectors")
-    caplog.handler.emit = lambda record: events.append(record.getMessage())  # in order with the shards
-    passages = [(f"p{i}", f"passage number {i}") for i in range(9)]
-    VectorIndex.build(enc, passages, tmp_path / "idx", IndexConfig(dimensions=6, shard_size=3))
-    warning = "dimensions=6: this adapter was not trained to embed with 6 dimensions (Matryoshka dimensions: [8])"
-    assert events == [warning, "shard", "shard", "shard"]
-    enc.encode(["again"], dimensions=6)
-    enc.encode(["trained"], dimensions=8)
-    assert events.count(warning) == 1 and len(events) == 4
+
+    class Record(logging.Handler):  # the warnings, in order with the shards
+        def emit(self, record):
+            events.append(record.getMessage())
+
+    handler = Record(logging.WARNING)
+    vectors.logger.addHandler(handler)
+    try:
+        passages = [(f"p{i}", f"passage number {i}") for i in range(9)]
+        VectorIndex.build(enc, passages, tmp_path / "idx", IndexConfig(dimensions=6, shard_size=3))
+        warning = "dimensions=6: this adapter was not trained to embed with 6 dimensions (Matryoshka dimensions: [8])"
+        assert events == [warning, "shard", "shard", "shard"]
+        enc.encode(["again"], dimensions=6)
+        enc.encode(["trained"], dimensions=8)
+        assert events.count(warning) == 1 and len(events) == 4
+    finally:
+        vectors.logger.removeHandler(handler)
 
 
 def test_int8_and_binary_vectors_round_trip():
