@@ -22,8 +22,8 @@ Encode = Callable[[list[str]], torch.Tensor]  # texts -> (len(texts), D) embeddi
 class Teacher:
     """``scores(queries, candidates)`` -> (B, N) cosine similarities, from ``encode`` (texts -> embeddings)."""
 
-    def __init__(self, encode: Encode, name: str = "teacher"):
-        self.encode, self.name = encode, name
+    def __init__(self, encode: Encode):
+        self.encode = encode
 
     @torch.no_grad()
     def scores(self, queries: Sequence[str], candidates: Sequence[str]) -> torch.Tensor:
@@ -57,7 +57,7 @@ def load_teacher(name: str, max_length: int, device: str | torch.device = "cpu")
     def encode(texts: list[str]) -> torch.Tensor:
         return model.encode(texts, batch_size=64, convert_to_tensor=True, show_progress_bar=False)
 
-    return Teacher(encode, name)
+    return Teacher(encode)
 
 
 def _dimension(model) -> int:

@@ -219,7 +219,8 @@ class ContrastiveOptions(InfoNCEOptions):
             "--query-prompt-dropout (without --query-prompt)": self.query_prompt_dropout and not self.query_prompt,
             "--lr-decay-from (with --lr-schedule constant)": self.lr_decay_from and self.lr_schedule == "constant",
             "--distill-weight / --distill-temperature (without --distill-teacher)": not self.distill_teacher
-            and (self.distill_weight != 1.0 or self.distill_temperature != 0.05),
+            and (self.distill_weight, self.distill_temperature)
+            != (type(self).distill_weight, type(self).distill_temperature),
         }
         for option, ignored in unused.items():
             if ignored:
