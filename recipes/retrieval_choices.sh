@@ -23,6 +23,8 @@
 #               of them plus the run's own, eq. (1)'s 5% margin, the hardest survivor; only the pairs the STEPS
 #               batches draw) unless its source gave one
 #   len256      prompts-mrl with training texts cut to 256 tokens instead of 128 (the dev suite embeds up to 512)
+#   mean, wmean prompts-mrl embedding with --pooling mean (the states' mean) or wmean (SGPT's position-weighted
+#               mean) instead of the UniMAE stage's h_eos
 # Environment: MODEL, RUNS, OUT, PAIRS (the wiki inverse-cloze pairs; built if absent), STEPS, BATCH, CHUNK,
 # EVAL_MAX_LENGTH, VARIANTS (the summary keeps every variant scored so far), UNIMAE_RUN / UNIMAE_FLAGS (the start, shared with recipes/retrieval.sh),
 # GEM_RUN / GEM_STEPS / GEM_SWITCH (gem-start's GEM stage), MINER / MINE_POOL (hn's miner and candidate pool).
@@ -67,6 +69,7 @@ for variant in $VARIANTS; do
     prompts-drop) flags=("${prompt_flags[@]}" --query-prompt-dropout 0.5) ;;
     seed1) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --seed 1) ;;
     len256) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --max-length 256) ;;  # the later flag wins
+    mean | wmean) flags=("${prompt_flags[@]}" "${mrl_flags[@]}" --pooling "$variant") ;;
     gem-start) flags=("${prompt_flags[@]}" "${mrl_flags[@]}"); init=(--init-adapter "$RUNS/$GEM_RUN/adapter") ;;
     hn) flags=("${prompt_flags[@]}" "${mrl_flags[@]}")
       mined=$PAIRS/mined-$SHORT-choices
@@ -92,7 +95,7 @@ for variant in $VARIANTS; do
     --data-dir "$DATA" --output-dir "$OUT" --label "$variant" --max-length "$EVAL_MAX_LENGTH"
 done
 done_labels=()  # every variant scored so far, in this order (a later sitting's VARIANTS adds rows, drops none)
-for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1 hn len256; do
+for variant in plain prompts prompts-mrl mrl base-start t0.02 prompts-drop gem-start seed1 hn len256 mean wmean; do
   [ -f "$OUT/$variant/run.json" ] && done_labels+=("$variant")
 done
 $UNIMAE evaluate summary --output-dir "$OUT" --tasks dev --name summary --labels "${done_labels[@]}"

@@ -26,7 +26,7 @@ def test_last_token_index_both_sides():
     assert last_token_index(left).tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("pooling", ["eos", "mean", "echo"])
+@pytest.mark.parametrize("pooling", ["eos", "mean", "wmean", "echo"])
 def test_embeddings_invariant_to_batching_and_padding_side(tiny_dir, pooling):
     model, tokenizer, _ = load_model(str(tiny_dir))
     enc = Encoder(model, tokenizer, pooling=pooling, precision="fp32", device="cpu")
@@ -39,6 +39,27 @@ def test_embeddings_invariant_to_batching_and_padding_side(tiny_dir, pooling):
             assert _cos(got, reference).min() >= 0.9999, (batch_size, side)
     shuffled = enc.encode(TEXTS[::-1], batch_size=3)[::-1]
     assert _cos(shuffled, reference).min() >= 0.9999
+
+
+def test_wmean_weights_the_ith_of_n_states_by_i(tiny_dir):
+    """SGPT's position-weighted mean: sum_i i * h_i / sum_i i over the text's tokens, not the plain mean."""
+    from unimae.embedding.pooling import build_inputs, last_hidden
+
+    model, tokenizer, _ = load_model(str(tiny_dir))
+    text = SENTENCES[0]
+    (built,) = build_inputs("wmean", tokenizer, [text], 64)
+    n = len(built.ids)
+    assert built.pool == list(range(1, n + 1)) and built.ids == build_inputs("mean", tokenizer, [text], 64)[0].ids
+    enc = Encoder(model, tokenizer, pooling="wmean", precision="fp32", device="cpu")
+    ids = torch.tensor([built.ids])
+    with torch.no_grad():
+        hidden = last_hidden(model.eval(), ids, torch.ones_like(ids), torch.ones_like(ids))[0]  # (n, D)
+    weights = torch.arange(1, n + 1, dtype=torch.float32)[:, None]
+    expected = ((hidden * weights).sum(0) / weights.sum()).numpy()
+    mean = Encoder(model, tokenizer, pooling="mean", precision="fp32", device="cpu").encode([text])
+    got = enc.encode([text])
+    assert _cos(got, expected[None])[0] >= 0.99999
+    assert _cos(got, mean)[0] < 0.9999  # it is not the plain mean
 
 
 def test_eos_is_appended_after_truncation(tiny_dir):

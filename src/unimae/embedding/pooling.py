@@ -5,6 +5,8 @@ exactly like the input, so it is correct for left and right padding alike (each 
 :func:`~unimae.embedding.tokenization.tokenize_bounded`, so a long text costs what ``max_length`` tokens cost):
 - ``eos``: EOS appended after truncation; the mask selects that last token (``h_eos``, UniMAE Eq. 2).
 - ``mean``: all tokens of the text as the tokenizer makes them (paper row MEAN).
+- ``wmean``: the same tokens, the i-th of n weighted i / (n(n+1)/2) (SGPT's position-weighted mean, arXiv
+  2202.08904 Eq. 1): under causal attention a later state has read more of the text, so it counts more.
 - ``echo``: the text twice; the mask selects the second copy (Springer et al. 2024). Plain
   repetition by default, as in the UniMAE paper; ``echo_template`` wraps it in Echo's prompt.
 - ``summary``: GEM's summary tokens (``summary_ids``) appended after the text; the mask selects them
@@ -29,7 +31,7 @@ ECHO_PROMPT = ("Rewrite the sentence: ", ", rewritten sentence: ")
 
 @dataclass
 class PooledInput:
-    """One text, tokenized for a pooling: ids and a same-length 0/1 pool mask."""
+    """One text, tokenized for a pooling: ids and a same-length pool mask (each token's weight; 0: not pooled)."""
 
     ids: list[int]
     pool: list[int]
@@ -67,6 +69,11 @@ def _mean(tokenizer, texts, max_length, **_) -> list[PooledInput]:
         ids = ids or [tokenizer.eos_token_id]  # an empty text still gets one state to average
         out.append(PooledInput(ids, [1] * len(ids)))
     return out
+
+
+@register_pooling("wmean")
+def _wmean(tokenizer, texts, max_length, **_) -> list[PooledInput]:
+    return [PooledInput(x.ids, list(range(1, len(x.ids) + 1))) for x in _mean(tokenizer, texts, max_length)]
 
 
 @register_pooling("echo")
@@ -128,6 +135,6 @@ def last_hidden(
 
 
 def pool(hidden: torch.Tensor, pool_mask: torch.Tensor) -> torch.Tensor:
-    """Weighted mean: hidden (B, T, D), pool_mask (B, T) -> (B, D) float32."""
+    """Weighted mean: hidden (B, T, D), pool_mask (B, T) of weights (0 outside the pooled tokens) -> (B, D) float32."""
     weights = pool_mask.to(torch.float32).unsqueeze(-1)  # (B, T, 1)
     return (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1.0)
