@@ -130,13 +130,16 @@ def test_mean_adapter_exports_mean_pooling_and_hf_card_states_the_spec(tiny_mode
     hf = export(tiny, mntp, tmp_path / "hf", fmt="hf")
     assert "bidirectional attention, mean pooling" in (hf / "README.md").read_text()
     assert embedding_spec(hf) == EmbeddingSpec("bidirectional", "mean"), "the export keeps the spec in unimae.json"
-    causal_mean = _adapter_with_spec(tiny, tmp_path / "mean", EmbeddingSpec("causal", "mean"))
-    out = export(tiny, causal_mean, tmp_path / "st", fmt="sentence-transformers", max_length=16)
-    ours = Encoder.from_pretrained(tiny, adapter=causal_mean, precision="fp32", max_length=16)
-    assert ours.spec == EmbeddingSpec("causal", "mean")
     texts = SENTENCES[:4]
-    theirs = SentenceTransformer(str(out), device="cpu").encode(texts, normalize_embeddings=True)
-    assert (ours.encode(texts, normalize=True) * theirs).sum(1).min() >= 0.9999
+    for pooling, mode in (("mean", "mean"), ("wmean", "weightedmean")):  # unimae's and sentence-transformers' name
+        causal = _adapter_with_spec(tiny, tmp_path / pooling, EmbeddingSpec("causal", pooling))
+        out = export(tiny, causal, tmp_path / f"st-{pooling}", fmt="sentence-transformers", max_length=16)
+        ours = Encoder.from_pretrained(tiny, adapter=causal, precision="fp32", max_length=16)
+        assert ours.spec == EmbeddingSpec("causal", pooling)
+        config = json.loads((out / "1_Pooling" / "config.json").read_text())
+        assert config["pooling_mode"] == mode and config[f"pooling_mode_{mode}_tokens"] is True
+        theirs = SentenceTransformer(str(out), device="cpu").encode(texts, normalize_embeddings=True)
+        assert (ours.encode(texts, normalize=True) * theirs).sum(1).min() >= 0.9999, pooling
 
 
 def test_sentence_transformers_export_carries_prompts_and_loads_with_truncate_dim(tiny_model_dirs, tmp_path):

@@ -7,7 +7,7 @@
 - ``sentence-transformers``: the same weights as a SentenceTransformer directory: Transformer
   module + Pooling. For causal ``eos`` (UniMAE) it is last-token pooling with a tokenizer whose
   post-processor appends EOS after truncation, so ``SentenceTransformer(dir).encode(texts)`` gives
-  unimae's ``eos`` embeddings; causal ``mean`` maps to mean pooling. An adapter whose
+  unimae's ``eos`` embeddings; causal ``mean`` and ``wmean`` map to mean and weightedmean pooling. An adapter whose
   :class:`~unimae.embedding.spec.EmbeddingSpec` the format cannot express (bidirectional attention
   of MNTP, GEM's summary tokens and mask, echo) is refused with a message instead of exported wrongly.
 - ``gguf``: one GGUF file for llama.cpp (``--output FILE.gguf``, ``gguf_type`` f32/f16/bf16/q8_0), pooling

@@ -14,6 +14,7 @@ import numpy as np
 from unimae.adapter import ADAPTER_META, adapter_meta, merged_model, save_merged
 from unimae.embedding.rotation import load_rotation, save_rotation
 from unimae.embedding.spec import EmbeddingSpec
+from unimae.export.base import ST_POOLING_MODES
 from unimae.files import atomic_write_json, writing
 from unimae.training.config import flat_values
 
@@ -151,7 +152,7 @@ def _save_sentence_transformers(
     tokenizer.chat_template = None  # sentence-transformers >= 6 would wrap every text in it
     tokenizer.save_pretrained(transformer_dir)
     word = models.Transformer(str(transformer_dir), max_seq_length=max_length)
-    mode = "lasttoken" if spec.pooling == "eos" else "mean"
+    mode = ST_POOLING_MODES[spec.pooling]
     width = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension  # renamed in 6.x
     pooling = models.Pooling(width(), pooling_mode=mode)
     prompts = spec.prompt_map or None  # encode_query / encode_document use the "query" / "document" prompts
@@ -162,7 +163,11 @@ def _save_sentence_transformers(
 
 
 # sentence-transformers < 5.4 (and vLLM before it learned the new format) read the pooling from these flags.
-LEGACY_POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+LEGACY_POOLING_KEYS = {
+    "mean": "pooling_mode_mean_tokens",
+    "weightedmean": "pooling_mode_weightedmean_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
 
 
 def _rotation_module(rotation: np.ndarray | None) -> list:
