@@ -27,14 +27,18 @@
 # constant-rate run saw after it; its curve point (label cooldown-step-M) replaces the best point, and is released,
 # if its dev average rose above it. Every later sitting, here or on a fresh machine, with COOLDOWN set or not, keeps
 # that decision (read from the curve, the cooldown's folder and the release); to try another N, delete
-# $RUNS/$SUP_RUN-cooldown and the curve point first.
+# $RUNS/$SUP_RUN-cooldown and the curve point first. COOLDOWN_SCHEDULE=constant keeps the learning rate instead of
+# the decay; DISTILL_WEIGHT=W (default 0: off) adds in-batch distillation from TEACHER to the cooldown's steps
+# (`--distill-teacher TEACHER --distill-weight W`; TEACHER defaults to all-mpnet-base-v2 from recipes/get_teacher.sh):
+# `COOLDOWN=31 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4` continues the best point 31 steps with distillation.
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
 # SUP_BATCH (256), SUP_CHUNK (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt), TEMPERATURE,
 # SUP_FLAGS (more flags), CURVE_EVERY (80), CURVE_MAX_LENGTH (256), STOP_EARLY (1), TASKS (dev; "" skips the
 # evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release),
-# COOLDOWN (0). The release card's command repeats MODEL and each of the training and curve settings the caller set.
+# COOLDOWN (0), COOLDOWN_SCHEDULE (linear), DISTILL_WEIGHT (0), TEACHER. The release card's command repeats MODEL and
+# each of the training and curve settings the caller set (the cooldown's: read from the released adapter).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the recipe too
 chosen=()  # the recipe settings the caller set, which the release card's command repeats (COOLDOWN: see release)
@@ -70,6 +74,13 @@ RAG_QUESTIONS=${RAG_QUESTIONS:-20}
 GENERATION=${GENERATION:-1}
 RELEASE_ONLY=${RELEASE_ONLY:-0}
 COOLDOWN=${COOLDOWN:-0}
+COOLDOWN_SCHEDULE=${COOLDOWN_SCHEDULE:-linear}
+DISTILL_WEIGHT=${DISTILL_WEIGHT:-0}
+TEACHER=${TEACHER:-}
+case $COOLDOWN_SCHEDULE in
+  linear | constant) ;;
+  *) echo "retrieval.sh: COOLDOWN_SCHEDULE must be linear or constant, not '$COOLDOWN_SCHEDULE'" >&2; exit 2 ;;
+esac
 
 # shellcheck source=recipes/retrieval_data.sh
 source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
@@ -96,9 +107,9 @@ sup_flags=(--model "$MODEL" --method contrastive "${init[@]}" --data "$files" --
 
 train_to() {  # steps: the supervised stage up to that many steps (resumed, or continued from the release)
   if [ ! -d "$run/checkpoints" ] && [ ! -f "$run/adapter/adapter_config.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
-    if [ -n "$(decay_from "$RELEASES/$RELEASE")" ]; then
-      echo "retrieval.sh: the release ended with a learning-rate decay (a cooldown): the constant-rate stage cannot" \
-        "continue from it (its curve points are missing from $OUT/curve)" >&2
+    if [ -n "$(cooled_from "$RELEASES/$RELEASE")" ]; then
+      echo "retrieval.sh: the release is a cooldown (a learning-rate decay or distillation): the constant-rate stage" \
+        "cannot continue from it (its curve points are missing from $OUT/curve)" >&2
       exit 1
     fi
     $UNIMAE train --continue-adapter "$RELEASES/$RELEASE" --output-dir "$run" "${sup_flags[@]}" --steps "$1"
@@ -171,7 +182,7 @@ release() {  # releases/RELEASE from the run's adapter, its card from the result
   if scored_for "$OUT/curve/cooldown-step-$steps" "$adapter"; then  # a cooldown's adapter (RELEASE_ONLY finds it so)
     point=cooldown-step
   fi
-  [ "$point" = step ] || command="COOLDOWN=$((steps - $(decay_from "$adapter"))) $command"
+  [ "$point" = step ] || command="$(cooldown_settings "$adapter" "$steps") $command"
   if scored_for "$dev" "$adapter"; then
     summary=(--summary "$OUT/summary.json")
   else  # a sitting's end: the curve point of the adapter's step, or at least STS17 (the release test's task)
@@ -196,6 +207,43 @@ decay_from() {  # adapter: the step its learning-rate decay started at (--lr-dec
   local schedule
   schedule=$(json_field "$1/unimae.json" training_config options lr_schedule)
   [ -z "$schedule" ] || [ "$schedule" = constant ] || json_field "$1/unimae.json" training_config options lr_decay_from
+}
+
+cooled_from() {  # adapter: the step a cooldown of it started at: its decay's start, else, for a distilled
+  # continuation (a constant-rate cooldown), the step it continued from; '' for the supervised stage's adapters
+  local from
+  from=$(decay_from "$1")
+  if [ -z "$from" ] && [ -n "$(json_field "$1/unimae.json" training_config options distill_teacher)" ]; then
+    from=$(json_field "$1/unimae.json" continued_from step)
+  fi
+  echo "$from"
+}
+
+cooldown_settings() {  # adapter steps: the recipe settings that made that cooldown adapter, for the card's command
+  local from weight teacher settings
+  from=$(cooled_from "$1")
+  settings="COOLDOWN=$(($2 - from))"
+  [ -n "$(decay_from "$1")" ] || settings+=" COOLDOWN_SCHEDULE=constant"
+  teacher=$(json_field "$1/unimae.json" training_config options distill_teacher)
+  if [ -n "$teacher" ]; then
+    weight=$(json_field "$1/unimae.json" training_config options distill_weight)
+    settings+=" DISTILL_WEIGHT=${weight%.0}"
+    [ "$teacher" = "$(default_teacher)" ] || settings+=" TEACHER=$(printf '%q' "$teacher")"
+  fi
+  echo "$settings"
+}
+
+default_teacher() {  # the folder recipes/get_teacher.sh fetches the distillation teacher into
+  echo "$HOME/.cache/unimae-teachers/all-mpnet-base-v2"
+}
+
+cooldown_flags() {  # best: the cooldown's own training flags (its schedule, its distillation) -> the array cool_flags
+  cool_flags=()
+  [ "$COOLDOWN_SCHEDULE" = constant ] || cool_flags+=(--lr-schedule linear --lr-decay-from "$1")
+  if [ "$DISTILL_WEIGHT" != 0 ]; then
+    [ -n "$TEACHER" ] || TEACHER=$(bash "$(dirname "$0")/get_teacher.sh")
+    cool_flags+=(--distill-teacher "$TEACHER" --distill-weight "$DISTILL_WEIGHT")
+  fi
 }
 
 steps_held() {  # the steps the run's adapter holds, else the release's (a fresh machine), else 0
@@ -238,7 +286,7 @@ restore_best() {  # best last: the dev average fell from step best to step last 
     source=$run/adapter-best
   elif [ -n "$want" ] && [ "$(revision_of release "$RELEASES/$RELEASE")" = "$want" ]; then
     source=$RELEASES/$RELEASE  # made from step best's adapter (its weights in bf16)
-  elif [ -f "$RELEASES/$RELEASE/unimae.json" ] && [ "$(decay_from "$RELEASES/$RELEASE")" = "$1" ]; then
+  elif [ -f "$RELEASES/$RELEASE/unimae.json" ] && [ "$(cooled_from "$RELEASES/$RELEASE")" = "$1" ]; then
     echo "retrieval.sh: the release is step $1's cooldown (an earlier sitting's); the cooldown stage takes it"
     mkdir -p "$run"
     printf '{"best": %s, "stopped_at": %s, "adapter": ""}\n' "$1" "$2" >"$run/stopped-early.json"
@@ -295,8 +343,8 @@ stopped_best() {  # the best step of the stop the run recorded
   json_field "$RUNS/$SUP_RUN/stopped-early.json" best
 }
 
-cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0, and its
-  # curve point (finished tasks are skipped)
+cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0 (or
+  # constant), with distillation if DISTILL_WEIGHT, and its curve point (finished tasks are skipped)
   local best steps
   best=$(stopped_best)
   steps=$((best + COOLDOWN))
@@ -306,8 +354,8 @@ cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --l
       echo "retrieval.sh: $run/adapter is not step $best's adapter; the cooldown starts from it" >&2
       exit 1
     fi
-    train_run "$cool" "${sup_flags[@]}" --continue-adapter "$run/adapter" --lr-schedule linear \
-      --lr-decay-from "$best" --steps "$steps"
+    cooldown_flags "$best"
+    train_run "$cool" "${sup_flags[@]}" --continue-adapter "$run/adapter" "${cool_flags[@]}" --steps "$steps"
   fi
   [ -n "$TASKS" ] || return 0
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
@@ -320,9 +368,9 @@ took_cooldown() {  # true if a cooldown of the stop's best step rose above it: r
   # a fresh machine restored from the release made of it)
   local best steps=""
   best=$(stopped_best)
-  if [ -f "$cool/adapter/unimae.json" ] && [ "$(decay_from "$cool/adapter")" = "$best" ]; then
+  if [ -f "$cool/adapter/unimae.json" ] && [ "$(cooled_from "$cool/adapter")" = "$best" ]; then
     steps=$(adapter_steps "$cool/adapter")
-  elif [ -f "$RELEASES/$RELEASE/unimae.json" ] && [ "$(decay_from "$RELEASES/$RELEASE")" = "$best" ]; then
+  elif [ -f "$RELEASES/$RELEASE/unimae.json" ] && [ "$(cooled_from "$RELEASES/$RELEASE")" = "$best" ]; then
     steps=$(adapter_steps "$RELEASES/$RELEASE")
   fi
   [ -n "$steps" ] && [ -f "$OUT/curve/cooldown-step-$steps/run.json" ] || return 1

@@ -138,8 +138,12 @@ if args[0] == "train":
     run, steps = Path(opt("--output-dir")), int(opt("--steps") or 0)
     (run / "adapter").mkdir(parents=True, exist_ok=True)
     schedule = {{"lr_schedule": opt("--lr-schedule") or "constant", "lr_decay_from": int(opt("--lr-decay-from") or 0)}}
-    config = {{"options": schedule}}
+    distill = {{"distill_teacher": opt("--distill-teacher") or "", "distill_weight": float(opt("--distill-weight") or 1)}}
+    config = {{"options": {{**schedule, **distill}}}}
     meta = {{"trained_steps": steps, "embedding": {{}}, "training_config": config}}
+    if opt("--continue-adapter"):
+        start = json.loads(Path(opt("--continue-adapter"), "unimae.json").read_text())["trained_steps"]
+        meta["continued_from"] = {{"step": start}}
     (run / "adapter" / "unimae.json").write_text(json.dumps(meta))
     (run / "adapter" / "adapter_config.json").write_text("{{}}")
     (run / "adapter" / "adapter_model.safetensors").write_text(f"weights of step {{steps}}")
@@ -345,6 +349,36 @@ def test_retrieval_recipe_finishes_an_interrupted_cooldown_evaluation(tmp_path):
     assert not any(line.startswith("train") for line in again)
     assert any("--label cooldown-step-200" in line for line in again)
     assert again[-1].startswith(f"release --adapter {cool / 'adapter'}")
+
+
+def test_retrieval_recipe_distilled_cooldown_at_a_constant_rate_becomes_the_release(tmp_path):
+    """COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4: the cooldown keeps the learning rate and distills from TEACHER;
+    it rose, so it is released with those settings in the card's command (read from its adapter), and a later
+    sitting without them keeps the decision."""
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    settings = {"COOLDOWN": "40", "COOLDOWN_SCHEDULE": "constant", "DISTILL_WEIGHT": "4", "TEACHER": "/t/my teacher"}
+    lines = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings})
+    run, cool = tmp_path / "runs" / "retriever", tmp_path / "runs" / "retriever-cooldown"
+    trains = [line for line in lines if line.startswith("train")]
+    assert f"--continue-adapter {run / 'adapter'} --distill-teacher /t/my teacher --distill-weight 4 --steps 200" in (
+        trains[-1]
+    )
+    assert "--lr-schedule" not in trains[-1]
+    releases = [line for line in lines if line.startswith("release")]
+    assert f"--adapter {cool / 'adapter'}" in releases[-1]
+    assert "--command COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t/my\\ teacher MODEL=" in (
+        releases[-1]
+    )
+    (tmp_path / "calls").write_text("")
+    again = _retrieval_calls(tmp_path, _stand_ins(tmp_path, {}))  # none of the settings: the decision holds
+    assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
+    assert "COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 " in again[-1]
+
+
+def test_retrieval_recipe_refuses_an_unknown_cooldown_schedule(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError):
+        _retrieval_calls(tmp_path, {"COOLDOWN_SCHEDULE": "cosine"})
+    assert not (tmp_path / "calls").exists()
 
 
 def test_retrieval_recipe_cooldown_that_fell_leaves_the_best_point(tmp_path):
