@@ -138,7 +138,8 @@ if args[0] == "train":
     run, steps = Path(opt("--output-dir")), int(opt("--steps") or 0)
     (run / "adapter").mkdir(parents=True, exist_ok=True)
     schedule = {{"lr_schedule": opt("--lr-schedule") or "constant", "lr_decay_from": int(opt("--lr-decay-from") or 0)}}
-    distill = {{"distill_teacher": opt("--distill-teacher") or "", "distill_weight": float(opt("--distill-weight") or 1)}}
+    teacher, weight = opt("--distill-teacher") or "", float(opt("--distill-weight") or 1)
+    distill = {{"distill_teacher": teacher, "distill_weight": weight}}
     config = {{"options": {{**schedule, **distill}}}}
     meta = {{"trained_steps": steps, "embedding": {{}}, "training_config": config}}
     if opt("--continue-adapter"):
@@ -360,15 +361,13 @@ def test_retrieval_recipe_distilled_cooldown_at_a_constant_rate_becomes_the_rele
     lines = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings})
     run, cool = tmp_path / "runs" / "retriever", tmp_path / "runs" / "retriever-cooldown"
     trains = [line for line in lines if line.startswith("train")]
-    assert f"--continue-adapter {run / 'adapter'} --distill-teacher /t/my teacher --distill-weight 4 --steps 200" in (
-        trains[-1]
-    )
+    cooldown = f"--continue-adapter {run / 'adapter'} --distill-teacher /t/my teacher --distill-weight 4 --steps 200"
+    assert cooldown in trains[-1]
     assert "--lr-schedule" not in trains[-1]
     releases = [line for line in lines if line.startswith("release")]
     assert f"--adapter {cool / 'adapter'}" in releases[-1]
-    assert "--command COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t/my\\ teacher MODEL=" in (
-        releases[-1]
-    )
+    named = "COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t/my\\ teacher MODEL="
+    assert f"--command {named}" in releases[-1]
     (tmp_path / "calls").write_text("")
     again = _retrieval_calls(tmp_path, _stand_ins(tmp_path, {}))  # none of the settings: the decision holds
     assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
@@ -390,9 +389,19 @@ def test_retrieval_recipe_cooldown_that_fell_leaves_the_best_point(tmp_path):
     assert "--command MODEL=" in [line for line in lines if line.startswith("release")][-1]
 
 
-def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_path):
-    """The release is the cooldown of step 80 (its curve point rose), the curve fell from 80 to 160: a fresh machine
-    trains nothing, restores the release as the cooldown's adapter and finishes on it."""
+DECAYED = ({"lr_schedule": "linear", "lr_decay_from": 80}, {}, "COOLDOWN=40 MODEL=")
+DISTILLED = (
+    {"lr_schedule": "constant", "distill_teacher": "/t", "distill_weight": 4.0},
+    {"continued_from": {"step": 80}},
+    "COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t MODEL=",
+)
+
+
+@pytest.mark.parametrize("options, facts, command", [DECAYED, DISTILLED], ids=["decayed", "distilled"])
+def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_path, options, facts, command):
+    """The release is the cooldown of step 80 (its curve point rose; a decay, or a distillation at a constant rate),
+    the curve fell from 80 to 160: a fresh machine trains nothing, restores the release as the cooldown's adapter and
+    finishes on it; the card's command names the cooldown's settings."""
     import hashlib
     import json
 
@@ -401,8 +410,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     release.mkdir(parents=True)
     (release / "adapter_model.safetensors").write_text("bf16 weights of step 120")
     (release / "adapter_config.json").write_text("{}")
-    config = {"options": {"lr_schedule": "linear", "lr_decay_from": 80}}
-    meta = {"trained_steps": 120, "embedding": {"rotation": "r0"}, "training_config": config}
+    meta = {"trained_steps": 120, "embedding": {"rotation": "r0"}, "training_config": {"options": options}, **facts}
     meta["release"] = {"source_revision": revision("weights of step 120")}
     (release / "unimae.json").write_text(json.dumps(meta))
     for label, step in (("step-80", 80), ("step-160", 160), ("cooldown-step-120", 120)):
@@ -413,7 +421,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     env = {**_stand_ins(tmp_path, averages), "COOLDOWN": "40"}
     only = _retrieval_calls(tmp_path, {**env, "RELEASE_ONLY": "1"})  # the card alone, from the cooldown's point
     out = tmp_path / "out" / "curve"
-    assert len(only) == 1 and only[0].startswith("release --card-only --name r") and "COOLDOWN=40 MODEL=" in only[0]
+    assert len(only) == 1 and only[0].startswith("release --card-only --name r") and command in only[0]
     assert f"--dev-results {out / 'cooldown-step-120'}" in only[0]
     assert f"--table {out / 'dimensions-cooldown-step-120.json'}" in only[0]
     (tmp_path / "calls").write_text("")
@@ -421,7 +429,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     cool = tmp_path / "runs" / "retriever-cooldown"
     assert not any(line.startswith("train") for line in lines)
     assert (cool / "adapter" / "adapter_model.safetensors").read_text() == "bf16 weights of step 120"
-    assert lines[-1].startswith(f"release --adapter {cool / 'adapter'}") and "COOLDOWN=40 MODEL=" in lines[-1]
+    assert lines[-1].startswith(f"release --adapter {cool / 'adapter'}") and command in lines[-1]
     (tmp_path / "calls").write_text("")
     again = _retrieval_calls(tmp_path, {**env, "RELEASE_ONLY": "1"})  # here, after it: still the cooldown's
     assert again[0].startswith(f"release --adapter {cool / 'adapter'}")
