@@ -212,10 +212,10 @@ def test_evaluate_reference_scores_a_named_sentence_transformers_model_under_its
     loaded = _record(monkeypatch, "unimae.evaluation.reference.load_reference", "st-model")
     calls = _record(monkeypatch, "unimae.evaluation.embeddings.evaluate_model_on_tasks", run)
     argv = ["evaluate", "embeddings", "--reference", "/teachers/all-mpnet-base-v2/", "--tasks", "STS17"]
-    assert main([*argv, "--output-dir", str(tmp_path), "--device", "cpu"]) == 0
+    assert main([*argv, "--output-dir", str(tmp_path), "--device", "cpu", "--data-dir", "d"]) == 0
     assert loaded == [(("/teachers/all-mpnet-base-v2/", "cpu"), {})]
     info = {"model": "/teachers/all-mpnet-base-v2/"}
-    assert calls == [(("st-model", ["STS17"], tmp_path, "all-mpnet-base-v2", info, None, 32, False), {})]
+    assert calls == [(("st-model", ["STS17"], tmp_path, "all-mpnet-base-v2", info, Path("d"), 32, False), {})]
     assert main(["evaluate", "embeddings", "--reference", "--tasks", "STS17", "--output-dir", str(tmp_path)]) == 0
     assert loaded[1][0][0] == "all-MiniLM-L6-v2" and calls[1][0][3] == "all-MiniLM-L6-v2"  # no value: MiniLM
 
