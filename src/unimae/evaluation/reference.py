@@ -46,11 +46,17 @@ def reference_label(name: str) -> str:
 def load_reference(name: str = MINILM_LABEL, device: str | None = None):
     """A sentence-transformers model as published (its own pooling and max_seq_length): MiniLM from its package,
     anything else from a folder or the Hub; a clear ValueError when ``name`` is neither."""
-    if is_minilm(name):
-        return load_minilm(device)
-    from sentence_transformers import SentenceTransformer
+    return load_minilm(device) if is_minilm(name) else load_sentence_transformer(name, device or "cpu", "--reference")
 
+
+def load_sentence_transformer(name: str, device: str, flag: str):
+    """SentenceTransformer ``name`` (a folder or a Hub id) on ``device``; a clear ImportError without the library and
+    a ValueError naming ``flag`` when ``name`` is no such model."""
     try:
-        return SentenceTransformer(name, device=device or "cpu")
+        from sentence_transformers import SentenceTransformer
+    except ImportError as err:
+        raise ImportError(f"{flag} needs sentence-transformers: pip install 'unimae[eval]'") from err
+    try:
+        return SentenceTransformer(name, device=device)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--reference {name!r}: not a sentence-transformers model folder or Hub id ({err})") from err
+        raise ValueError(f"{flag} {name!r}: not a sentence-transformers model folder or Hub id ({err})") from err

@@ -35,16 +35,9 @@ class Teacher:
 def load_teacher(name: str, max_length: int, device: str | torch.device = "cpu") -> Teacher:
     """A sentence-transformers model (a folder or a Hub id) as a :class:`Teacher`, its texts cut to
     ``max_length`` tokens (or its own limit)."""
-    try:
-        from sentence_transformers import SentenceTransformer
-    except ImportError as err:
-        raise ImportError("--distill-teacher needs sentence-transformers: pip install 'unimae[eval]'") from err
-    try:
-        model = SentenceTransformer(name, device=str(device))
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"--distill-teacher {name!r}: not a sentence-transformers model folder or Hub id ({err})"
-        ) from err
+    from unimae.evaluation.reference import load_sentence_transformer
+
+    model = load_sentence_transformer(name, str(device), "--distill-teacher")
     model.max_seq_length = min(max_length, model.max_seq_length or max_length)
     model.eval()
     logger.info(
