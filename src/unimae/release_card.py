@@ -56,6 +56,8 @@ DATA_LICENCES = {
     "debian_package_descriptions": "each package's own (Debian main: DFSG-free)",
     "wiki_ict": "Wikipedia text: CC BY-SA 4.0 (inverse-cloze pairs built by recipes/make_pairs_wiki.py)",
 }
+# The licences of the distillation teachers (`--distill-teacher`; sentence-transformers' model cards), by name.
+TEACHER_LICENCES = {"all-mpnet-base-v2": "Apache-2.0", "all-MiniLM-L6-v2": "Apache-2.0"}
 # The training text of the first stage recipes/retrieval.sh trains (`unimae train --method unimae`, its default).
 FIRST_STAGE_TEXT = "`enwiki-gensim` (paragraphs of 206 Wikipedia articles shipped in the gensim wheel; CC BY-SA 4.0)"
 
@@ -443,11 +445,27 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
 ```
 
 - Steps: {meta.trained_steps}, each a batch of {config.get("batch_size")} pairs; {wall_time}.
-- Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
+{_distillation(config, meta)}- Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
 
 | source | licence |
 |---|---|
 {data_rows}{_first_stage(inputs, meta)}"""
+
+
+def _distillation(config: dict, meta: AdapterMeta) -> str:
+    """The card's line on the teacher the training distilled from (``--distill-teacher``, its weight, temperature
+    and licence), '' for a run without one. A local folder is named by its folder, a Hub id by its last part."""
+    teacher, weight = config.get("distill_teacher"), float(config.get("distill_weight") or 0)
+    if not teacher or not weight:
+        return ""
+    name = Path(str(teacher).rstrip("/")).name
+    steps = f"the {meta.trained_steps - meta.continued_from_step} steps after step {meta.continued_from_step}"
+    return (
+        f"- Distillation: {steps if meta.continued_from_step else 'every step'} also matched the in-batch "
+        f"similarities of the sentence-transformers model `{name}` (`--distill-weight {weight:g}`, temperature "
+        f"{config.get('distill_temperature')}; licence: {TEACHER_LICENCES.get(name, 'see its model card')}), so "
+        "part of the scores comes from that teacher and the data it was trained on.\n"
+    )
 
 
 def _first_stage(inputs: CardInputs, meta: AdapterMeta) -> str:
