@@ -233,8 +233,8 @@ cooldown_settings() {  # adapter steps: the recipe settings that made that coold
   echo "$settings"
 }
 
-default_teacher() {  # the folder recipes/get_teacher.sh fetches the distillation teacher into
-  echo "$HOME/.cache/unimae-teachers/all-mpnet-base-v2"
+default_teacher() {  # the folder recipes/get_teacher.sh fetches the distillation teacher into (fetching nothing)
+  bash "$(dirname "$0")/get_teacher.sh" --where
 }
 
 cooldown_flags() {  # best: the cooldown's own training flags (its schedule, its distillation) -> the array cool_flags

@@ -352,22 +352,24 @@ def test_retrieval_recipe_finishes_an_interrupted_cooldown_evaluation(tmp_path):
     assert again[-1].startswith(f"release --adapter {cool / 'adapter'}")
 
 
-def test_retrieval_recipe_distilled_cooldown_at_a_constant_rate_becomes_the_release(tmp_path):
+@pytest.mark.parametrize("default", [False, True], ids=["own-teacher", "default-teacher"])
+def test_retrieval_recipe_distilled_cooldown_at_a_constant_rate_becomes_the_release(tmp_path, default):
     """COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4: the cooldown keeps the learning rate and distills from TEACHER;
-    it rose, so it is released with those settings in the card's command (read from its adapter), and a later
-    sitting without them keeps the decision."""
+    it rose, so it is released with those settings in the card's command (read from its adapter; TEACHER only where
+    it is not the folder recipes/get_teacher.sh fetches into), and a later sitting without them keeps the decision."""
     averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
-    settings = {"COOLDOWN": "40", "COOLDOWN_SCHEDULE": "constant", "DISTILL_WEIGHT": "4", "TEACHER": "/t/my teacher"}
-    lines = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings})
+    teacher = f"{tmp_path}/.cache/unimae-teachers/all-mpnet-base-v2" if default else "/t/my teacher"
+    settings = {"COOLDOWN": "40", "COOLDOWN_SCHEDULE": "constant", "DISTILL_WEIGHT": "4", "TEACHER": teacher}
+    lines = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "HOME": str(tmp_path)})
     run, cool = tmp_path / "runs" / "retriever", tmp_path / "runs" / "retriever-cooldown"
     trains = [line for line in lines if line.startswith("train")]
-    cooldown = f"--continue-adapter {run / 'adapter'} --distill-teacher /t/my teacher --distill-weight 4 --steps 200"
+    cooldown = f"--continue-adapter {run / 'adapter'} --distill-teacher {teacher} --distill-weight 4 --steps 200"
     assert cooldown in trains[-1]
     assert "--lr-schedule" not in trains[-1]
     releases = [line for line in lines if line.startswith("release")]
     assert f"--adapter {cool / 'adapter'}" in releases[-1]
-    named = "COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t/my\\ teacher MODEL="
-    assert f"--command {named}" in releases[-1]
+    named = "" if default else "TEACHER=/t/my\\ teacher "
+    assert f"--command COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 {named}MODEL=" in releases[-1]
     (tmp_path / "calls").write_text("")
     again = _retrieval_calls(tmp_path, _stand_ins(tmp_path, {}))  # none of the settings: the decision holds
     assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
