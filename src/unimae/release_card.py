@@ -17,6 +17,7 @@ from pathlib import Path
 
 from unimae.adapter import AdapterMeta, TrainingTime
 from unimae.evaluation.generation import average_accuracy
+from unimae.evaluation.reference import reference_label
 from unimae.evaluation.summary import markdown_table, read_row, summary_table, task_type
 from unimae.files import read_json
 from unimae.models import OFFLINE_MODELS
@@ -458,7 +459,7 @@ def _distillation(config: dict, meta: AdapterMeta) -> str:
     teacher, weight = config.get("distill_teacher"), float(config.get("distill_weight") or 0)
     if not teacher or not weight:
         return ""
-    name = Path(str(teacher).rstrip("/")).name
+    name = reference_label(str(teacher))
     steps = f"the {meta.trained_steps - meta.continued_from_step} steps after step {meta.continued_from_step}"
     return (
         f"- Distillation: {steps if meta.continued_from_step else 'every step'} also matched the in-batch "
