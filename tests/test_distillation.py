@@ -94,6 +94,7 @@ def test_the_objective_adds_the_weighted_term_and_the_grad_cache_keeps_the_gradi
     losses = plain(batch)
     assert float(kd) > 0
     assert float(losses["loss"].detach()) == pytest.approx(float(nce + 0.5 * kd), rel=1e-5)
+    assert float(losses["distill"]) == pytest.approx(float(kd), rel=1e-5)  # the log's own, unweighted term
     losses["loss"].backward()
     expected = _grads(model)
     model.zero_grad(set_to_none=True)
@@ -102,6 +103,7 @@ def test_the_objective_adds_the_weighted_term_and_the_grad_cache_keeps_the_gradi
     out = cached(batch)
     out["loss"].backward()
     assert float(out["loss"]) == pytest.approx(float(losses["loss"]), rel=1e-5)
+    assert float(out["distill"]) == pytest.approx(float(kd), rel=1e-5)
     got = _grads(model)
     assert got.keys() == expected.keys() and len(got) > 0
     for name, grad in expected.items():
@@ -152,3 +154,5 @@ def test_training_with_a_sentence_transformers_teacher(tiny_model_dirs, tmp_path
     plain, kd = read_log(tmp_path / "plain"), read_log(tmp_path / "kd")
     assert len(kd) == 3 and all(math.isfinite(r["loss"]) for r in kd)
     assert kd[0]["contrastive"] > plain[0]["contrastive"]  # same first batch and weights: InfoNCE + 2 x KL > InfoNCE
+    assert "distill" not in plain[0] and kd[0]["distill"] > 0
+    assert kd[0]["contrastive"] == pytest.approx(plain[0]["contrastive"] + 2.0 * kd[0]["distill"], rel=1e-4)

@@ -20,7 +20,7 @@ from unimae.losses.objective import Objective
 
 
 class ContrastiveObjective(Objective):
-    """forward(batch) -> {"loss", "contrastive"[, "lm"]}; batch rows: B queries, B positives, then K hard negatives.
+    """forward(batch) -> {"loss", "contrastive"[, "lm"][, "distill"]}; batch rows: B queries, B positives, then K hard negatives.
 
     Batch keys: input_ids, attention_mask, pool_mask (2B + K, T), ``num_queries`` = B, and optionally
     ``false_negatives`` (B, B + K) bool: candidates left out of query i's softmax. ``symmetric``: also each
@@ -41,7 +41,8 @@ class ContrastiveObjective(Objective):
     ``distill_weight`` > 0 adds ``distill_weight x L_KD`` (:func:`~unimae.losses.distillation.in_batch_distillation`)
     on the full vector: the batch then carries ``teacher_scores`` (B, B + K), a teacher's cosines of the same
     queries and candidates, softened by ``teacher_temperature``. Part of :meth:`loss`, so the gradient cache
-    computes it as it does InfoNCE; the log's ``"contrastive"`` is InfoNCE + that term.
+    computes it as it does InfoNCE; the log's ``"contrastive"`` is InfoNCE + that term, and its ``"distill"`` is
+    L_KD alone (unweighted).
     """
 
     def __init__(
@@ -70,6 +71,20 @@ class ContrastiveObjective(Objective):
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
         """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``),
         plus ``distill_weight x L_KD`` when distilling."""
+        return self.total(self.terms(z, batch))
+
+    @staticmethod
+    def total(terms: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of :meth:`terms` (a scalar)."""
+        return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
+
+    def distill_value(self, terms: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"distill": L_KD}`` (unweighted, detached) when distilling, for the log; else ``{}``."""
+        return {"distill": (terms[-1] / self.distill_weight).detach()} if self.distill_weight else {}
+
+    def terms(self, z: torch.Tensor, batch) -> list[torch.Tensor]:
+        """The scalars :meth:`loss` sums: InfoNCE at each of ``self.dims``, then ``distill_weight x L_KD`` when
+        distilling."""
         b = int(batch["num_queries"])
         exclude = batch.get("false_negatives")
         losses = [
@@ -85,7 +100,7 @@ class ContrastiveObjective(Objective):
                 z[:b], z[b:], batch["teacher_scores"], self.temperature, self.teacher_temperature, exclude=exclude
             )
             losses.append(self.distill_weight * kd)
-        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        return losses
 
     def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Pooled embeddings (len(rows), D) of some rows of ``batch``."""
@@ -122,6 +137,7 @@ class ContrastiveObjective(Objective):
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         z, lm = self.embed_and_lm(batch)  # (2B + K, D), scalar
-        contrastive = self.loss(z, batch)
-        out = {"loss": contrastive + lm, "contrastive": contrastive.detach()}
+        terms = self.terms(z, batch)
+        contrastive = self.total(terms)
+        out = {"loss": contrastive + lm, "contrastive": contrastive.detach(), **self.distill_value(terms)}
         return {**out, "lm": (lm / self.lm_weight).detach()} if self.lm_weight else out
