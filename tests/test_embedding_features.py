@@ -421,3 +421,20 @@ def test_encode_tokenizes_a_large_list_block_by_block_with_the_same_vectors(tiny
     monkeypatch.setattr(EmbeddingSpec, "build_inputs", counted)
     np.testing.assert_allclose(enc.encode(texts), whole, rtol=1e-5, atol=1e-6)
     assert seen == [2, 2, 1]
+
+
+def test_the_encode_bar_of_a_large_list_moves_with_every_batch(tiny_model_dirs, monkeypatch):
+    import unimae.encoder
+
+    updates = []
+
+    class Bar(unimae.encoder.tqdm):
+        def update(self, n=1):
+            updates.append(n)
+            return super().update(n)
+
+    enc = _encoder(tiny_model_dirs["llama"])
+    monkeypatch.setattr(unimae.encoder, "ENCODE_BLOCK", 2)
+    monkeypatch.setattr(unimae.encoder, "tqdm", Bar)
+    enc.encode(["a cat", "dogs", "the river", "", "a bird"], batch_size=1, show_progress=True)
+    assert updates == [1] * 5  # one text a batch, not one block (4,096 texts) at a time

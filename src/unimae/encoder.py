@@ -256,8 +256,7 @@ class Encoder:
             for start in range(0, len(texts), ENCODE_BLOCK):
                 block = texts[start : start + ENCODE_BLOCK]
                 inputs = self.spec.build_inputs(self.tokenizer, block, self.max_length, prompt=prefix)
-                out[start : start + len(block)] = self.encode_inputs(inputs, batch_size, show_progress=False)
-                bar.update(len(block))
+                out[start : start + len(block)] = self.encode_inputs(inputs, batch_size, progress=bar)
         return out
 
     def encode_query(self, texts: str | Sequence[str] | None = None, **kwargs) -> np.ndarray:
@@ -336,11 +335,13 @@ class Encoder:
         batch_size: int = 32,
         normalize: bool = False,
         show_progress: bool | None = None,
+        progress: tqdm | None = None,
     ) -> np.ndarray:
         """Embed texts already tokenized by ``self.spec.build_inputs`` -> (N, D) float32 array, in input order.
 
         :meth:`encode` is ``build_inputs`` then this; the server tokenizes in its request threads and hands
-        the inputs to its batcher, which embeds them with this method chunk by chunk.
+        the inputs to its batcher, which embeds them with this method chunk by chunk. ``progress``: a bar counting
+        texts that each batch advances (a caller's over several calls) instead of this call's own bar of batches.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -348,7 +349,7 @@ class Encoder:
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i].ids))
         show = len(inputs) > 4 * batch_size if show_progress is None else show_progress
         starts = range(0, len(order), batch_size)
-        for start in tqdm(starts, desc="encode", disable=not show, unit="batch"):
+        for start in tqdm(starts, desc="encode", disable=not show or progress is not None, unit="batch"):
             chosen = order[start : start + batch_size]
             ids, mask = pad_batch([inputs[i].ids for i in chosen], self.tokenizer.pad_token_id, self.padding_side)
             pool_mask, _ = pad_batch([inputs[i].pool for i in chosen], 0, self.padding_side)
@@ -358,6 +359,8 @@ class Encoder:
             if normalize:
                 vectors = torch.nn.functional.normalize(vectors, dim=-1)
             out[chosen] = vectors.cpu().numpy()
+            if progress is not None:
+                progress.update(len(chosen))
         return out
 
     @torch.inference_mode()
