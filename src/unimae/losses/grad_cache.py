@@ -109,13 +109,11 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
         z = torch.empty(len(order), parts[0].shape[-1], device=parts[0].device)  # (N, D)
         z[order] = torch.cat(parts)
         if not backward:
-            terms = self.terms(z, batch)
-            contrastive = self.total(terms)
-            out = {"loss": contrastive + lm, "contrastive": contrastive, **self.distill_value(terms)}
+            contrastive, logged = self.loss_and_log(z, batch)
+            out = {"loss": contrastive + lm, "contrastive": contrastive, **logged}
             return {**out, "lm": lm / self.lm_weight} if self.lm_weight else out
         z.requires_grad_(True)
-        terms = self.terms(z, batch)
-        contrastive = self.total(terms)
+        contrastive, logged = self.loss_and_log(z, batch)
         (grad,) = torch.autograd.grad(contrastive, z)  # (2) (N, D) dL/dz: the cache
         contrastive = contrastive.detach()
         total = (contrastive + lm).detach()  # lm is 0 here: the contrastive part, in the total's dtype
@@ -126,7 +124,7 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
         loss.register_hook(
             partial(self._replay, batch=batch, chunks=chunks, states=states, grad=grad, amp=amp, values=values)
         )
-        out = {"loss": loss, "contrastive": contrastive, **self.distill_value(terms)}
+        out = {"loss": loss, "contrastive": contrastive, **logged}
         return {**out, "lm": lm_value} if self.lm_weight else out
 
     def _replay(self, grad_output: torch.Tensor, batch, chunks, states, grad, amp: _AutocastState, values) -> None:

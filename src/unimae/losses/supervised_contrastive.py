@@ -20,7 +20,8 @@ from unimae.losses.objective import Objective
 
 
 class ContrastiveObjective(Objective):
-    """forward(batch) -> {"loss", "contrastive"[, "lm"][, "distill"]}; batch rows: B queries, B positives, then K hard negatives.
+    """forward(batch) -> {"loss", "contrastive"[, "lm"][, "distill"]}; batch rows: B queries, B positives, then K
+    hard negatives.
 
     Batch keys: input_ids, attention_mask, pool_mask (2B + K, T), ``num_queries`` = B, and optionally
     ``false_negatives`` (B, B + K) bool: candidates left out of query i's softmax. ``symmetric``: also each
@@ -71,20 +72,10 @@ class ContrastiveObjective(Objective):
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
         """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``),
         plus ``distill_weight x L_KD`` when distilling."""
-        return self.total(self.terms(z, batch))
+        return self.loss_and_log(z, batch)[0]
 
-    @staticmethod
-    def total(terms: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of :meth:`terms` (a scalar)."""
-        return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
-
-    def distill_value(self, terms: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{"distill": L_KD}`` (unweighted, detached) when distilling, for the log; else ``{}``."""
-        return {"distill": (terms[-1] / self.distill_weight).detach()} if self.distill_weight else {}
-
-    def terms(self, z: torch.Tensor, batch) -> list[torch.Tensor]:
-        """The scalars :meth:`loss` sums: InfoNCE at each of ``self.dims``, then ``distill_weight x L_KD`` when
-        distilling."""
+    def loss_and_log(self, z: torch.Tensor, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(:meth:`loss`, the log's own terms: ``{"distill": L_KD}`` (unweighted, detached) when distilling)."""
         b = int(batch["num_queries"])
         exclude = batch.get("false_negatives")
         losses = [
@@ -93,6 +84,7 @@ class ContrastiveObjective(Objective):
             )  # (B, m) vs (B+K, m)
             for m in self.dims
         ]
+        logged = {}
         if self.distill_weight:
             if "teacher_scores" not in batch:
                 raise KeyError("distill_weight > 0 needs the batch's teacher_scores (--distill-teacher)")
@@ -100,7 +92,8 @@ class ContrastiveObjective(Objective):
                 z[:b], z[b:], batch["teacher_scores"], self.temperature, self.teacher_temperature, exclude=exclude
             )
             losses.append(self.distill_weight * kd)
-        return losses
+            logged["distill"] = kd.detach()
+        return (losses[0] if len(losses) == 1 else torch.stack(losses).sum()), logged
 
     def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Pooled embeddings (len(rows), D) of some rows of ``batch``."""
@@ -137,7 +130,6 @@ class ContrastiveObjective(Objective):
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         z, lm = self.embed_and_lm(batch)  # (2B + K, D), scalar
-        terms = self.terms(z, batch)
-        contrastive = self.total(terms)
-        out = {"loss": contrastive + lm, "contrastive": contrastive.detach(), **self.distill_value(terms)}
+        contrastive, logged = self.loss_and_log(z, batch)
+        out = {"loss": contrastive + lm, "contrastive": contrastive.detach(), **logged}
         return {**out, "lm": (lm / self.lm_weight).detach()} if self.lm_weight else out
