@@ -179,7 +179,9 @@ def test_a_card_names_the_distillation_teacher_of_the_steps_that_had_one(adapter
     _task_result(dev, "STS17")
     options = {"distill_teacher": "/home/u/.cache/unimae-teachers/all-mpnet-base-v2/", "distill_weight": 4.0}
     config = {"batch_size": 256, "options": {**options, "distill_temperature": 0.05}}
-    meta = dataclasses.replace(adapter_meta(adapter), trained_steps=231, continued_from_step=200, training_config=config)
+    meta = dataclasses.replace(
+        adapter_meta(adapter), trained_steps=231, continued_from_step=200, training_config=config
+    )
     card = build_card(CardInputs("r", tmp_path, dev), meta)
     assert "Distillation: the 31 steps after step 200 also matched" in card
     assert "`all-mpnet-base-v2` (`--distill-weight 4`, temperature 0.05; licence: Apache-2.0)" in card

@@ -439,6 +439,7 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
     wall_time = _wall_time(training_time(inputs, meta), meta)
     sources = [Path(p).name.removesuffix(".jsonl") for p in str(config.get("data", "")).split(",") if p]
     data_rows = "".join(f"| {s} | {DATA_LICENCES.get(s, 'see its source')} |\n" for s in sources)
+    weights = config.get("data_weights") or "size"
     return f"""## Training
 
 ```bash
@@ -446,7 +447,7 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
 ```
 
 - Steps: {meta.trained_steps}, each a batch of {config.get("batch_size")} pairs; {wall_time}.
-{_distillation(config, meta)}- Data (query -> positive pairs; one source per batch, `{config.get("data_weights") or "size"}` weights):
+{_distillation(config, meta)}- Data (query -> positive pairs; one source per batch, `{weights}` weights):
 
 | source | licence |
 |---|---|
