@@ -31,6 +31,10 @@
 # the decay; DISTILL_WEIGHT=W (default 0: off) adds in-batch distillation from TEACHER to the cooldown's steps
 # (`--distill-teacher TEACHER --distill-weight W`; TEACHER defaults to all-mpnet-base-v2 from recipes/get_teacher.sh):
 # `COOLDOWN=31 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4` continues the best point 31 steps with distillation.
+# A constant-rate cooldown lengthens: a later sitting with a larger COOLDOWN (the same other settings) resumes its
+# checkpoints up to the new end (as one longer cooldown would have gone) and scores that point; it replaces the
+# released cooldown if its dev average rose above it, else the final stage takes the release again (the longer
+# adapter kept in $RUNS/$SUP_RUN-cooldown/adapter-step-M). A decayed cooldown does not lengthen (its rate reached 0).
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
@@ -350,6 +354,7 @@ cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --l
   steps=$((best + COOLDOWN))
   [ ! -f "$OUT/curve/cooldown-step-$steps/run.json" ] || [ "$(adapter_steps "$cool/adapter")" = "$steps" ] || return 0
   if [ "$(adapter_steps "$cool/adapter")" != "$steps" ]; then
+    lengthens "$best" "$steps"
     if [ "$(adapter_steps)" != "$best" ]; then
       echo "retrieval.sh: $run/adapter is not step $best's adapter; the cooldown starts from it" >&2
       exit 1
@@ -364,9 +369,37 @@ cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --l
   curve_summary
 }
 
+lengthens() {  # best steps: refuse a cooldown of step best to step steps where one of it to another step is held
+  # (its adapter here, else the release) and cannot become it: a decay, or no checkpoints to resume
+  local held=$cool/adapter end
+  [ "$(cooled_from "$held")" = "$1" ] || held=$RELEASES/$RELEASE
+  end=$(adapter_steps "$held")
+  [ "$(cooled_from "$held")" = "$1" ] && [ "$end" != "$2" ] || return 0
+  if [ "$COOLDOWN_SCHEDULE" != constant ] || [ -n "$(decay_from "$held")" ]; then
+    echo "retrieval.sh: $held is a cooldown of step $1 to step $end; a decayed one does not lengthen: delete" \
+      "$cool and $OUT/curve/cooldown-step-$end to try COOLDOWN=$(($2 - $1))" >&2
+    exit 1
+  fi
+  if ! compgen -G "$cool/checkpoints/step-*" >/dev/null; then
+    echo "retrieval.sh: lengthening the cooldown of step $1 ($held, step $end) to step $2 resumes its" \
+      "checkpoints, which are not in $cool on this machine" >&2
+    exit 1
+  fi
+}
+
+released_cooldown() {  # best steps: the step of the release, if it is an earlier, scored cooldown of step best ('')
+  local held
+  held=$(adapter_steps "$RELEASES/$RELEASE")
+  if [ -n "$held" ] && [ "$held" -lt "$2" ] && [ "$(cooled_from "$RELEASES/$RELEASE")" = "$1" ] \
+    && [ -f "$OUT/curve/cooldown-step-$held/run.json" ]; then
+    echo "$held"
+  fi
+}
+
 took_cooldown() {  # true if a cooldown of the stop's best step rose above it: run and point switch to its adapter (on
-  # a fresh machine restored from the release made of it)
-  local best steps=""
+  # a fresh machine restored from the release made of it; a lengthened cooldown that fell below the released one: the
+  # release's)
+  local best steps="" held
   best=$(stopped_best)
   if [ -f "$cool/adapter/unimae.json" ] && [ "$(cooled_from "$cool/adapter")" = "$best" ]; then
     steps=$(adapter_steps "$cool/adapter")
@@ -374,6 +407,17 @@ took_cooldown() {  # true if a cooldown of the stop's best step rose above it: r
     steps=$(adapter_steps "$RELEASES/$RELEASE")
   fi
   [ -n "$steps" ] && [ -f "$OUT/curve/cooldown-step-$steps/run.json" ] || return 1
+  held=$(released_cooldown "$best" "$steps")
+  if [ -n "$held" ] && ! rose "cooldown-step-$held" "cooldown-step-$steps"; then  # a lengthened cooldown that fell
+    echo "retrieval.sh: the lengthened cooldown (cooldown-step-$steps) did not rise above the released one" \
+      "(cooldown-step-$held): the final stage takes the release; step $steps's adapter is in $cool/adapter-step-$steps"
+    rm -rf "$cool/adapter-step-$steps"
+    mv "$cool/adapter" "$cool/adapter-step-$steps"
+    restore_release "$cool/adapter"
+    run=$cool
+    point=cooldown-step
+    return 0
+  fi
   if ! rose "step-$best" "cooldown-step-$steps"; then
     echo "retrieval.sh: the cooldown (cooldown-step-$steps) did not rise above step-$best: the final stage takes" \
       "step $best's adapter"

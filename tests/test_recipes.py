@@ -2,6 +2,7 @@
 stand-in for the CLI."""
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -374,6 +375,58 @@ def test_retrieval_recipe_distilled_cooldown_at_a_constant_rate_becomes_the_rele
     again = _retrieval_calls(tmp_path, _stand_ins(tmp_path, {}))  # none of the settings: the decision holds
     assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
     assert "COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 " in again[-1]
+
+
+DISTILL = {"COOLDOWN_SCHEDULE": "constant", "DISTILL_WEIGHT": "4", "TEACHER": "/t"}
+
+
+def _lengthened(tmp_path: Path, longer: float) -> tuple[list[str], dict]:
+    """A distilled cooldown of step 160 to 200 (COOLDOWN=40) rose and was released; the next sitting asks
+    COOLDOWN=80, whose point (cooldown-step-240) scores LONGER: (that sitting's calls, its settings)."""
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **DISTILL, "COOLDOWN": "40"})
+    (tmp_path / "calls").write_text("")
+    env = {**_stand_ins(tmp_path, {**averages, "cooldown-step-240": longer}), **DISTILL, "COOLDOWN": "80"}
+    return _retrieval_calls(tmp_path, env), env
+
+
+@pytest.mark.parametrize("longer, released", [(64.0, 240), (62.5, 200)], ids=["rose", "fell"])
+def test_retrieval_recipe_lengthens_a_constant_rate_cooldown(tmp_path, longer, released):
+    """A larger COOLDOWN resumes the distilled cooldown's checkpoints to the new end and scores it: above the released
+    cooldown it becomes the release (the card names COOLDOWN=80); below it the final stage takes the release again
+    and the longer adapter is kept aside; a later sitting trains nothing."""
+    lines, env = _lengthened(tmp_path, longer)
+    cool, release = tmp_path / "runs" / "retriever-cooldown", tmp_path / "releases" / "r"
+    trains = [line for line in lines if line.startswith("train")]
+    assert len(trains) == 1 and trains[0].startswith(f"train --resume --output-dir {cool}")
+    assert "--distill-weight 4 --steps 240" in trains[0]
+    assert any("--label cooldown-step-240" in line for line in lines)
+    assert (release / "adapter_model.safetensors").read_text() == f"weights of step {released}"
+    assert (cool / "adapter" / "adapter_model.safetensors").read_text() == f"weights of step {released}"
+    assert (cool / "adapter-step-240").is_dir() == (released == 200)
+    final = [line for line in lines if "--label retrieval-eos " in line + " "]
+    assert final and all(f"--adapter {cool / 'adapter'}" in line for line in final)
+    command = f"--command COOLDOWN={released - 160} COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t MODEL="
+    assert command in lines[-1]
+    (tmp_path / "calls").write_text("")
+    again = _retrieval_calls(tmp_path, env)
+    assert not any(line.startswith("train") for line in again) and command in again[-1]
+
+
+@pytest.mark.parametrize("case", ["decayed", "no-checkpoints"])
+def test_retrieval_recipe_refuses_a_cooldown_it_cannot_lengthen(tmp_path, capfd, case):
+    """A decayed cooldown does not lengthen (its rate reached 0); a constant-rate one needs its checkpoints."""
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    settings = {} if case == "decayed" else DISTILL
+    _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "COOLDOWN": "40"})
+    if case == "no-checkpoints":
+        shutil.rmtree(tmp_path / "runs" / "retriever-cooldown" / "checkpoints")
+    (tmp_path / "calls").write_text("")
+    capfd.readouterr()
+    with pytest.raises(subprocess.CalledProcessError):
+        _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "COOLDOWN": "80"})
+    assert ("does not lengthen" if case == "decayed" else "resumes its checkpoints") in capfd.readouterr().err
+    assert not any(line.startswith("train") for line in (tmp_path / "calls").read_text().splitlines())
 
 
 def test_retrieval_recipe_refuses_an_unknown_cooldown_schedule(tmp_path):
