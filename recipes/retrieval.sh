@@ -414,9 +414,7 @@ took_cooldown() {  # true if a cooldown of the stop's best step rose above it: r
     rm -rf "$cool/adapter-step-$steps"
     mv "$cool/adapter" "$cool/adapter-step-$steps"
     restore_release "$cool/adapter"
-    run=$cool
-    point=cooldown-step
-    return 0
+    steps=$held  # the released cooldown, which rose above step best: taken below
   fi
   if ! rose "step-$best" "cooldown-step-$steps"; then
     echo "retrieval.sh: the cooldown (cooldown-step-$steps) did not rise above step-$best: the final stage takes" \
