@@ -396,6 +396,26 @@ def test_a_suite_stopped_between_tasks_resumes_after_the_finished_ones(tiny_enco
     assert set(final["task_versions"]) == set(tasks)
 
 
+def test_every_task_asks_the_encoder_for_its_progress_bar(monkeypatch, tmp_path):
+    """mteb hands encode_kwargs to the model's encode: a sentence-transformers reference (``--reference``) shows
+    its own bar only when asked, and was silent for hours on SciFact."""
+    import mteb
+
+    from unimae.evaluation.embeddings import _evaluate_task
+
+    seen = {}
+
+    def record(model, task, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop before any encoding
+
+    monkeypatch.setattr(mteb, "evaluate", record)
+    with pytest.raises(KeyboardInterrupt):
+        _evaluate_task("st-model", "STS17", None, 8, tmp_path / "STS17.json")
+    assert seen["encode_kwargs"] == {"batch_size": 8, "show_progress_bar": True}
+    assert seen["show_progress_bar"] is False  # mteb's own per-task bar stays off
+
+
 def test_bad_tasks_fail_alone_with_clear_messages(tiny_model_dirs, tiny_encoder, tmp_path):
     from unimae.evaluation.embeddings import evaluate_embeddings
     from unimae.evaluation.summary import write_summary

@@ -232,7 +232,9 @@ def _evaluate_task(model, name: str, data_dir: Path | None, batch_size: int, res
         cache=None,
         co2_tracker=False,
         raise_error=True,
-        encode_kwargs={"batch_size": batch_size},
+        # the encoder's own bar: a sentence-transformers reference shows its encoding progress (SciFact's 5k
+        # abstracts take hours on one thread); unimae's encoder draws its own bar past 2,000 texts
+        encode_kwargs={"batch_size": batch_size, "show_progress_bar": True},
         show_progress_bar=False,
     )
     task_result = result.task_results[0]
