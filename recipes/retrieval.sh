@@ -32,9 +32,11 @@
 # (`--distill-teacher TEACHER --distill-weight W`; TEACHER defaults to all-mpnet-base-v2 from recipes/get_teacher.sh):
 # `COOLDOWN=31 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4` continues the best point 31 steps with distillation.
 # A constant-rate cooldown lengthens: a later sitting with a larger COOLDOWN (the same other settings) resumes its
-# checkpoints up to the new end (as one longer cooldown would have gone) and scores that point; it replaces the
-# released cooldown if its dev average rose above it, else the final stage takes the release again (the longer
-# adapter kept in $RUNS/$SUP_RUN-cooldown/adapter-step-M). A decayed cooldown does not lengthen (its rate reached 0).
+# checkpoints up to the new end (as one longer cooldown would have gone; on a fresh machine, where they are gone,
+# it continues the released cooldown: its bf16 weights, Adam restarted, the card still counting the distilled steps
+# from the best point) and scores that point; it replaces the released cooldown if its dev average rose above it, else
+# the final stage takes the release again (the longer adapter kept in $RUNS/$SUP_RUN-cooldown/adapter-step-M). A
+# decayed cooldown does not lengthen (its rate reached 0).
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
@@ -214,11 +216,13 @@ decay_from() {  # adapter: the step its learning-rate decay started at (--lr-dec
 }
 
 cooled_from() {  # adapter: the step a cooldown of it started at: its decay's start, else, for a distilled
-  # continuation (a constant-rate cooldown), the step it continued from; '' for the supervised stage's adapters
+  # continuation (a constant-rate cooldown), the step its distillation began at (a cooldown lengthened from the
+  # release records it), else the step it continued from; '' for the supervised stage's adapters
   local from
   from=$(decay_from "$1")
   if [ -z "$from" ] && [ -n "$(json_field "$1/unimae.json" training_config options distill_teacher)" ]; then
-    from=$(json_field "$1/unimae.json" continued_from step)
+    from=$(json_field "$1/unimae.json" continued_from distill_from)
+    [ -n "$from" ] || from=$(json_field "$1/unimae.json" continued_from step)
   fi
   echo "$from"
 }
@@ -349,18 +353,14 @@ stopped_best() {  # the best step of the stop the run recorded
 
 cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --lr decaying linearly to 0 (or
   # constant), with distillation if DISTILL_WEIGHT, and its curve point (finished tasks are skipped)
-  local best steps
+  local best steps source
   best=$(stopped_best)
   steps=$((best + COOLDOWN))
   [ ! -f "$OUT/curve/cooldown-step-$steps/run.json" ] || [ "$(adapter_steps "$cool/adapter")" = "$steps" ] || return 0
   if [ "$(adapter_steps "$cool/adapter")" != "$steps" ]; then
-    lengthens "$best" "$steps"
-    if [ "$(adapter_steps)" != "$best" ]; then
-      echo "retrieval.sh: $run/adapter is not step $best's adapter; the cooldown starts from it" >&2
-      exit 1
-    fi
+    source=$(cooldown_source "$best" "$steps")
     cooldown_flags "$best"
-    train_run "$cool" "${sup_flags[@]}" --continue-adapter "$run/adapter" "${cool_flags[@]}" --steps "$steps"
+    train_run "$cool" "${sup_flags[@]}" --continue-adapter "$source" "${cool_flags[@]}" --steps "$steps"
   fi
   [ -n "$TASKS" ] || return 0
   # shellcheck disable=SC2086  # TASKS is a word list on purpose
@@ -369,18 +369,31 @@ cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --l
   curve_summary
 }
 
-lengthens() {  # best steps: refuse a cooldown of step best to step steps where one of it to another step is held
-  # (its adapter here, else the release) and cannot become it: a decay, or no checkpoints to resume
-  local held=$cool/adapter end
+cooldown_source() {  # best steps: the adapter a cooldown of step best to step steps continues (--continue-adapter):
+  # step best's; a cooldown of it to another step held here (its adapter, else the release) lengthens: from its
+  # checkpoints (the adapter its run continued), or on a fresh machine from the release (its bf16 weights, Adam
+  # restarted, as the supervised stage goes on there); a decayed one, or one held here without checkpoints, refused
+  local held=$cool/adapter end source
   [ "$(cooled_from "$held")" = "$1" ] || held=$RELEASES/$RELEASE
   end=$(adapter_steps "$held")
-  [ "$(cooled_from "$held")" = "$1" ] && [ "$end" != "$2" ] || return 0
-  if [ "$COOLDOWN_SCHEDULE" != constant ] || [ -n "$(decay_from "$held")" ]; then
+  if [ "$(cooled_from "$held")" != "$1" ] || [ "$end" = "$2" ]; then  # no cooldown of step best held: start one
+    if [ "$(adapter_steps)" != "$1" ]; then
+      echo "retrieval.sh: $run/adapter is not step $1's adapter; the cooldown starts from it" >&2
+      exit 1
+    fi
+    echo "$run/adapter"
+  elif [ "$COOLDOWN_SCHEDULE" != constant ] || [ -n "$(decay_from "$held")" ]; then
     echo "retrieval.sh: $held is a cooldown of step $1 to step $end; a decayed one does not lengthen: delete" \
       "$cool and $OUT/curve/cooldown-step-$end to try COOLDOWN=$(($2 - $1))" >&2
     exit 1
-  fi
-  if ! compgen -G "$cool/checkpoints/step-*" >/dev/null; then
+  elif compgen -G "$cool/checkpoints/step-*" >/dev/null; then  # a resume keeps the adapter its run continued
+    source=$(json_field "$cool/config.json" continue_adapter)
+    echo "${source:-$run/adapter}"
+  elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ]; then
+    echo "retrieval.sh: lengthening the released cooldown of step $1 (step $end) to step $2 on a machine without" \
+      "its checkpoints: it continues from the release (bf16 weights, Adam restarted)" >&2
+    echo "$RELEASES/$RELEASE"
+  else
     echo "retrieval.sh: lengthening the cooldown of step $1 ($held, step $end) to step $2 resumes its" \
       "checkpoints, which are not in $cool on this machine" >&2
     exit 1

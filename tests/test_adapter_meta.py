@@ -29,6 +29,9 @@ def test_adapter_meta_round_trips_through_unimae_json(tmp_path):
     assert adapter_meta(tmp_path) == meta and embedding_spec(tmp_path) == SPEC
     saved = json.loads((tmp_path / ADAPTER_META).read_text())
     assert saved["continued_from"] == {"step": 2} and saved["written_by"] == "a later version"
+    lengthened = AdapterMeta(continued_from_step=231, distill_from_step=200)  # a distilled cooldown continued again
+    assert lengthened.to_dict()["continued_from"] == {"step": 231, "distill_from": 200}
+    assert AdapterMeta.from_dict(lengthened.to_dict()) == lengthened
     assert adapter_meta(tmp_path / "missing") == AdapterMeta() and adapter_meta(None).embedding == EmbeddingSpec()
 
 

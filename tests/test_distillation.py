@@ -156,3 +156,29 @@ def test_training_with_a_sentence_transformers_teacher(tiny_model_dirs, tmp_path
     assert kd[0]["contrastive"] > plain[0]["contrastive"]  # same first batch and weights: InfoNCE + 2 x KL > InfoNCE
     assert "distill" not in plain[0] and kd[0]["distill"] > 0
     assert kd[0]["contrastive"] == pytest.approx(plain[0]["contrastive"] + 2.0 * kd[0]["distill"], rel=1e-4)
+
+
+def test_a_distilled_cooldown_continued_again_records_where_its_distillation_began(tiny_model_dirs, tmp_path):
+    """A plain run (2 steps), distilled from step 2 (to 3), then lengthened from that adapter with the same teacher and
+    weight (to 4): the last records distill_from 2, so a recipe reading it back knows the cooldown began at step 2;
+    another weight is a new distillation (none recorded)."""
+    import dataclasses
+
+    from unimae.adapter import adapter_meta
+
+    tiny = tiny_model_dirs["llama"]
+    teacher = str(_tiny_sentence_transformer(tiny, tmp_path / "teacher"))
+    data = _write(tmp_path / "pairs.jsonl", _records(12))
+    plain = _config(tiny, data, tmp_path / "plain", batch_size=4, micro_batch_size=4, steps=2)
+    train(plain)
+    distill = dict(distill_teacher=teacher, distill_weight=2.0)
+    first = _config(tiny, data, tmp_path / "kd", batch_size=4, micro_batch_size=4, steps=3, **distill)
+    train(dataclasses.replace(first, continue_adapter=str(tmp_path / "plain" / "adapter")))
+    cooled = adapter_meta(tmp_path / "kd" / "adapter")
+    assert cooled.continued_from_step == 2 and cooled.distill_from_step is None  # it began here
+    for weight, out, expected in ((2.0, "longer", 2), (3.0, "other", None)):
+        again = _config(tiny, data, tmp_path / out, batch_size=4, micro_batch_size=4, steps=4, **distill)
+        again.options.distill_weight = weight
+        train(dataclasses.replace(again, continue_adapter=str(tmp_path / "kd" / "adapter")))
+        meta = adapter_meta(tmp_path / out / "adapter")
+        assert meta.continued_from_step == 3 and meta.distill_from_step == expected

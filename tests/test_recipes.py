@@ -144,8 +144,12 @@ if args[0] == "train":
     config = {{"options": {{**schedule, **distill}}}}
     meta = {{"trained_steps": steps, "embedding": {{}}, "training_config": config}}
     if opt("--continue-adapter"):
-        start = json.loads(Path(opt("--continue-adapter"), "unimae.json").read_text())["trained_steps"]
-        meta["continued_from"] = {{"step": start}}
+        held = json.loads(Path(opt("--continue-adapter"), "unimae.json").read_text())
+        meta["continued_from"] = {{"step": held["trained_steps"]}}
+        before = held.get("continued_from") or {{}}
+        if teacher and held["training_config"]["options"].get("distill_teacher") == teacher:  # a lengthening
+            meta["continued_from"]["distill_from"] = before.get("distill_from", before.get("step", 0))
+    (run / "config.json").write_text(json.dumps({{"continue_adapter": opt("--continue-adapter") or ""}}))
     (run / "adapter" / "unimae.json").write_text(json.dumps(meta))
     (run / "adapter" / "adapter_config.json").write_text("{{}}")
     (run / "adapter" / "adapter_model.safetensors").write_text(f"weights of step {{steps}}")
@@ -410,6 +414,33 @@ def test_retrieval_recipe_lengthens_a_constant_rate_cooldown(tmp_path, longer, r
     assert command in lines[-1]
     (tmp_path / "calls").write_text("")
     again = _retrieval_calls(tmp_path, env)
+    assert not any(line.startswith("train") for line in again) and command in again[-1]
+
+
+@pytest.mark.parametrize("longer, released", [(64.0, 240), (62.5, 200)], ids=["rose", "fell"])
+def test_retrieval_recipe_lengthens_the_released_cooldown_on_a_fresh_machine(tmp_path, longer, released):
+    """The cooldown's checkpoints went with their machine: a larger COOLDOWN continues the released cooldown (step
+    200) to the new end and scores it; the new adapter records where its distillation began (step 160), so the card
+    names COOLDOWN=80 when it rose, and the release stays step 200's when it fell."""
+    import json
+
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **DISTILL, "COOLDOWN": "40"})  # released there
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "calls").write_text("")
+    env = {**_stand_ins(tmp_path, {**averages, "cooldown-step-240": longer}), **DISTILL, "COOLDOWN": "80"}
+    lines = _retrieval_calls(tmp_path, env)
+    cool, release = tmp_path / "runs" / "retriever-cooldown", tmp_path / "releases" / "r"
+    trains = [line for line in lines if line.startswith("train")]
+    assert len(trains) == 1 and trains[0].startswith(f"train --output-dir {cool}")
+    assert f"--continue-adapter {release} " in trains[0] and "--distill-weight 4 --steps 240" in trains[0]
+    longest = cool / ("adapter" if released == 240 else "adapter-step-240")
+    assert json.loads((longest / "unimae.json").read_text())["continued_from"] == {"step": 200, "distill_from": 160}
+    assert (release / "adapter_model.safetensors").read_text() == f"weights of step {released}"
+    command = f"--command COOLDOWN={released - 160} COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t MODEL="
+    assert command in lines[-1]
+    (tmp_path / "calls").write_text("")
+    again = _retrieval_calls(tmp_path, env)  # the same machine again: nothing to train
     assert not any(line.startswith("train") for line in again) and command in again[-1]
 
 

@@ -184,6 +184,9 @@ def test_a_card_names_the_distillation_teacher_of_the_steps_that_had_one(adapter
     )
     card = build_card(CardInputs("r", tmp_path, dev), meta)
     assert "Distillation: the 31 steps after step 200 also matched" in card
+    lengthened = dataclasses.replace(meta, trained_steps=271, continued_from_step=231, distill_from_step=200)
+    longer = build_card(CardInputs("r", tmp_path, dev), lengthened)
+    assert "Distillation: the 71 steps after step 200 also matched" in longer
     assert "`all-mpnet-base-v2` (`--distill-weight 4`, temperature 0.05; licence: Apache-2.0)" in card
     plain = build_card(CardInputs("r", tmp_path, dev), dataclasses.replace(meta, training_config={"batch_size": 256}))
     assert "Distillation" not in plain

@@ -133,6 +133,13 @@ class AdapterMeta:
     continued_from_training: TrainingTime | None = field(
         default=None, metadata={"help": "--continue-adapter of a release: the wall time of the steps it held."}
     )
+    distill_from_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "--continue-adapter of an adapter distilled from the same teacher at the same weight (a distilled "
+            "cooldown lengthened): the step that distillation began at (None: at continued_from_step)."
+        },
+    )
     release: ReleaseInfo | None = field(default=None, metadata={"help": "Set in a release folder."})
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Keys this version does not know."})
 
@@ -156,7 +163,9 @@ class AdapterMeta:
         if self.continued_from_step is None:
             return None
         out = {"step": self.continued_from_step}
-        return {**out, "training": self.continued_from_training.to_dict()} if self.continued_from_training else out
+        if self.continued_from_training:
+            out["training"] = self.continued_from_training.to_dict()
+        return out if self.distill_from_step is None else {**out, "distill_from": self.distill_from_step}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> AdapterMeta:
@@ -175,6 +184,7 @@ class AdapterMeta:
             init_lora_revision=init_lora.get("revision") if isinstance(init_lora, Mapping) else None,
             continued_from_step=continued.get("step"),
             continued_from_training=TrainingTime.from_dict(continued.get("training")),
+            distill_from_step=continued.get("distill_from"),
             release=_release_info(release),
             extra=data,  # what is left: keys this version does not know
         )

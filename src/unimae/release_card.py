@@ -461,9 +461,10 @@ def _distillation(config: dict, meta: AdapterMeta) -> str:
     if not teacher or not weight:
         return ""
     name = reference_label(str(teacher))
-    steps = f"the {meta.trained_steps - meta.continued_from_step} steps after step {meta.continued_from_step}"
+    start = meta.continued_from_step if meta.distill_from_step is None else meta.distill_from_step  # a lengthening
+    steps = f"the {meta.trained_steps - start} steps after step {start}" if start else "every step"
     return (
-        f"- Distillation: {steps if meta.continued_from_step else 'every step'} also matched the in-batch "
+        f"- Distillation: {steps} also matched the in-batch "
         f"similarities of the sentence-transformers model `{name}` (`--distill-weight {weight:g}`, temperature "
         f"{config.get('distill_temperature')}; licence: {TEACHER_LICENCES.get(name, 'see its model card')}), so "
         "part of the scores comes from that teacher and the data it was trained on.\n"

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -553,6 +554,7 @@ def _save_adapter(run: _Run, step: int) -> Path:
         training_config=config.to_dict(),
         continued_from_step=continued["step"] if continued else None,
         continued_from_training=TrainingTime.from_dict(continued["training"]) if continued else None,
+        distill_from_step=continued.get("distill_from") if continued else None,
     )
     with writing(adapter_dir, partial=partial):
         write_adapter_meta(partial, meta)
@@ -578,7 +580,24 @@ def _continued_facts(config: TrainConfig, resumed: bool) -> dict | None:
         "step": continued_step(config),
         "training": training.to_dict() if training else None,
         "init_lora_revision": _init_lora_revision(config),
+        "distill_from": _distill_from(config),
     }
+
+
+def _distill_from(config: TrainConfig) -> int | None:
+    """A distilled run continued from an adapter distilled from the same teacher at the same weight (a distilled
+    cooldown lengthened where its checkpoints are gone): the step that distillation began at, which that adapter
+    records, else the step it was continued from itself (0: it distilled from its first step). None otherwise: the
+    distillation, if any, begins at this run's first step."""
+    teacher = getattr(config.options, "distill_teacher", None)
+    if not teacher:
+        return None
+    held = adapter_meta(config.continue_adapter)
+    options = held.training_config.get("options") or {}
+    same_teacher = os.path.normpath(str(options.get("distill_teacher") or "")) == os.path.normpath(teacher)
+    if not same_teacher or options.get("distill_weight") != config.options.distill_weight:
+        return None
+    return held.distill_from_step if held.distill_from_step is not None else held.continued_from_step or 0
 
 
 def _continued_training(config: TrainConfig) -> TrainingTime | None:
