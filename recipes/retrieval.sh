@@ -372,21 +372,23 @@ cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --l
 cooldown_source() {  # best steps: the adapter a cooldown of step best to step steps continues (--continue-adapter):
   # step best's; a cooldown of it to another step held here (its adapter, else the release) lengthens: from its
   # checkpoints (the adapter its run continued), or on a fresh machine from the release (its bf16 weights, Adam
-  # restarted, as the supervised stage goes on there); a decayed one, or one held here without checkpoints, refused
-  local held=$cool/adapter end source
+  # restarted, as the supervised stage goes on there); a decayed one (one stopped part-way resumes to its own end),
+  # or one held here without checkpoints, is refused
+  local held=$cool/adapter end source checkpoints=""
   [ "$(cooled_from "$held")" = "$1" ] || held=$RELEASES/$RELEASE
   end=$(adapter_steps "$held")
+  ! compgen -G "$cool/checkpoints/step-*" >/dev/null || checkpoints=$(json_field "$cool/config.json" steps)
   if [ "$(cooled_from "$held")" != "$1" ] || [ "$end" = "$2" ]; then  # no cooldown of step best held: start one
     if [ "$(adapter_steps)" != "$1" ]; then
       echo "retrieval.sh: $run/adapter is not step $1's adapter; the cooldown starts from it" >&2
       exit 1
     fi
     echo "$run/adapter"
-  elif [ "$COOLDOWN_SCHEDULE" != constant ] || [ -n "$(decay_from "$held")" ]; then
+  elif [ "$checkpoints" != "$2" ] && { [ "$COOLDOWN_SCHEDULE" != constant ] || [ -n "$(decay_from "$held")" ]; }; then
     echo "retrieval.sh: $held is a cooldown of step $1 to step $end; a decayed one does not lengthen: delete" \
       "$cool and $OUT/curve/cooldown-step-$end to try COOLDOWN=$(($2 - $1))" >&2
     exit 1
-  elif compgen -G "$cool/checkpoints/step-*" >/dev/null; then  # a resume keeps the adapter its run continued
+  elif [ -n "$checkpoints" ]; then  # stopped part-way, or lengthened: resumed, from the adapter its run continued
     source=$(json_field "$cool/config.json" continue_adapter)
     echo "${source:-$run/adapter}"
   elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ]; then

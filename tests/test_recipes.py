@@ -149,7 +149,8 @@ if args[0] == "train":
         before = held.get("continued_from") or {{}}
         if teacher and held["training_config"]["options"].get("distill_teacher") == teacher:  # a lengthening
             meta["continued_from"]["distill_from"] = before.get("distill_from", before.get("step", 0))
-    (run / "config.json").write_text(json.dumps({{"continue_adapter": opt("--continue-adapter") or ""}}))
+    record = {{"continue_adapter": opt("--continue-adapter") or "", "steps": steps}}
+    (run / "config.json").write_text(json.dumps(record))
     (run / "adapter" / "unimae.json").write_text(json.dumps(meta))
     (run / "adapter" / "adapter_config.json").write_text("{{}}")
     (run / "adapter" / "adapter_model.safetensors").write_text(f"weights of step {{steps}}")
@@ -458,6 +459,27 @@ def test_retrieval_recipe_refuses_a_cooldown_it_cannot_lengthen(tmp_path, capfd,
         _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "COOLDOWN": "80"})
     assert ("does not lengthen" if case == "decayed" else "resumes its checkpoints") in capfd.readouterr().err
     assert not any(line.startswith("train") for line in (tmp_path / "calls").read_text().splitlines())
+
+
+def test_retrieval_recipe_resumes_a_decayed_cooldown_stopped_part_way(tmp_path):
+    """A decayed cooldown stopped at step 190 of 200 (SIGTERM: its adapter written at 190, its checkpoints kept) is
+    no lengthening: the next sitting with the same COOLDOWN resumes it to 200 and scores it."""
+    import json
+
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    env = {**_stand_ins(tmp_path, averages), "COOLDOWN": "40"}
+    _retrieval_calls(tmp_path, env)
+    cool = tmp_path / "runs" / "retriever-cooldown"
+    spec = cool / "adapter" / "unimae.json"
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "trained_steps": 190}))
+    shutil.rmtree(tmp_path / "out" / "curve" / "cooldown-step-200")
+    (tmp_path / "calls").write_text("")
+    lines = _retrieval_calls(tmp_path, env)
+    trains = [line for line in lines if line.startswith("train")]
+    assert len(trains) == 1 and trains[0].startswith(f"train --resume --output-dir {cool}")
+    assert f"--continue-adapter {tmp_path / 'runs' / 'retriever' / 'adapter'} " in trains[0]
+    assert "--lr-schedule linear --lr-decay-from 160 --steps 200" in trains[0]
+    assert any("--label cooldown-step-200" in line for line in lines)
 
 
 def test_retrieval_recipe_refuses_an_unknown_cooldown_schedule(tmp_path):
