@@ -374,11 +374,12 @@ cooldown_source() {  # best steps: the adapter a cooldown of step best to step s
   # checkpoints (the adapter its run continued), or on a fresh machine from the release (its bf16 weights, Adam
   # restarted, as the supervised stage goes on there); a decayed one (one stopped part-way resumes to its own end),
   # or one held here without checkpoints, is refused
-  local held=$cool/adapter end source checkpoints=""
-  [ "$(cooled_from "$held")" = "$1" ] || held=$RELEASES/$RELEASE
+  local held=$cool/adapter end source checkpoints="" from
+  from=$(cooled_from "$held")
+  [ "$from" = "$1" ] || { held=$RELEASES/$RELEASE; from=$(cooled_from "$held"); }
   end=$(adapter_steps "$held")
   ! compgen -G "$cool/checkpoints/step-*" >/dev/null || checkpoints=$(json_field "$cool/config.json" steps)
-  if [ "$(cooled_from "$held")" != "$1" ] || [ "$end" = "$2" ]; then  # no cooldown of step best held: start one
+  if [ "$from" != "$1" ] || [ "$end" = "$2" ]; then  # no cooldown of step best held: start one
     if [ "$(adapter_steps)" != "$1" ]; then
       echo "retrieval.sh: $run/adapter is not step $1's adapter; the cooldown starts from it" >&2
       exit 1

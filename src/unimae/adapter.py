@@ -159,6 +159,12 @@ class AdapterMeta:
         out["embedding"] = self.embedding.to_dict()
         return {**out, **{k: v for k, v in optional.items() if v is not None}, **self.extra}
 
+    @property
+    def distill_start(self) -> int | None:
+        """The step its distillation began at, if it was distilled from a continued adapter: ``distill_from_step``
+        where a lengthening recorded it, else the step it continued from (None: not continued)."""
+        return self.continued_from_step if self.distill_from_step is None else self.distill_from_step
+
     def _continued_from(self) -> dict[str, Any] | None:
         if self.continued_from_step is None:
             return None

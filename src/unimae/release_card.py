@@ -461,7 +461,7 @@ def _distillation(config: dict, meta: AdapterMeta) -> str:
     if not teacher or not weight:
         return ""
     name = reference_label(str(teacher))
-    start = meta.continued_from_step if meta.distill_from_step is None else meta.distill_from_step  # a lengthening
+    start = meta.distill_start
     steps = f"the {meta.trained_steps - start} steps after step {start}" if start else "every step"
     return (
         f"- Distillation: {steps} also matched the in-batch "

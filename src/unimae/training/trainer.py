@@ -597,7 +597,7 @@ def _distill_from(config: TrainConfig) -> int | None:
     same_teacher = os.path.normpath(str(options.get("distill_teacher") or "")) == os.path.normpath(teacher)
     if not same_teacher or options.get("distill_weight") != config.options.distill_weight:
         return None
-    return held.distill_from_step if held.distill_from_step is not None else held.continued_from_step or 0
+    return held.distill_start or 0
 
 
 def _continued_training(config: TrainConfig) -> TrainingTime | None:
