@@ -339,6 +339,10 @@ def test_a_release_records_its_training_time_and_a_continued_run_adds_to_it(tiny
     without_logs = CardInputs("tiny-retriever", out, dev, train_logs=[tmp_path / "gone" / "log.jsonl"])
     assert training_time(without_logs, adapter_meta(out)) == TrainingTime(3600.0, ())  # a fresh machine
     assert training_time(without_logs, adapter_meta(adapter)) is None  # a run's adapter without its logs
+    # the release restored as a run's adapter whose log holds only a longer, rejected continuation's steps
+    rejected = _log(tmp_path / "rejected" / "log.jsonl", [(3, 1800.0), (4, 1800.0)])
+    restored = CardInputs("tiny-retriever", out, dev, train_logs=[rejected])
+    assert training_time(restored, adapter_meta(out)) == TrainingTime(3600.0, ())  # not 0 s of steps <= 2
 
     data = _write(tmp_path / "pairs.jsonl", _records(12))
     config = _config(tiny_model_dirs["llama"], data, tmp_path / "more", steps=steps + 1, query_prompt="q: ")

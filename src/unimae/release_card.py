@@ -401,8 +401,11 @@ def _every_paragraph(entry: dict) -> str:
 def training_time(inputs: CardInputs, meta: AdapterMeta) -> TrainingTime | None:
     """The wall time of the optimizer steps the released adapter holds, and their CPUs: from its sittings' logs
     that are on this machine (``inputs.train_logs``; in the last one only the steps the adapter holds), plus what
-    a release it was continued from recorded; without logs, what the release records (``unimae.json``); for a
-    release made before releases recorded it, what its card says (to 0.1 h). None: not known."""
+    a release it was continued from recorded; for a release, or a copy of one (a run's adapter restored from it, whose
+    run's log may hold other steps), what the release records (``unimae.json``); for a release made before releases
+    recorded it, what its card says (to 0.1 h). None: not known."""
+    if meta.release is not None and meta.release.training is not None:
+        return meta.release.training
     logs = [Path(p) for p in inputs.train_logs if Path(p).is_file()]
     if logs:
         last = len(logs) - 1  # the release's own run: only the steps its adapter holds
