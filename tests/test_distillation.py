@@ -161,8 +161,10 @@ def test_training_with_a_sentence_transformers_teacher(tiny_model_dirs, tmp_path
 def test_a_distilled_cooldown_continued_again_records_where_its_distillation_began(tiny_model_dirs, tmp_path):
     """A plain run (2 steps), distilled from step 2 (to 3), then lengthened from that adapter with the same teacher and
     weight (to 4): the last records distill_from 2, so a recipe reading it back knows the cooldown began at step 2;
-    another weight is a new distillation (none recorded)."""
+    the same teacher fetched into another folder (another machine's home) counts as the same; another weight is a new
+    distillation (none recorded)."""
     import dataclasses
+    import shutil
 
     from unimae.adapter import adapter_meta
 
@@ -176,9 +178,11 @@ def test_a_distilled_cooldown_continued_again_records_where_its_distillation_beg
     train(dataclasses.replace(first, continue_adapter=str(tmp_path / "plain" / "adapter")))
     cooled = adapter_meta(tmp_path / "kd" / "adapter")
     assert cooled.continued_from_step == 2 and cooled.distill_from_step is None  # it began here
-    for weight, out, expected in ((2.0, "longer", 2), (3.0, "other", None)):
+    moved = shutil.copytree(teacher, tmp_path / "other-home" / "teacher")
+    cases = ((2.0, teacher, "longer", 2), (2.0, moved, "moved", 2), (3.0, teacher, "other", None))
+    for weight, where, out, expected in cases:
         again = _config(tiny, data, tmp_path / out, batch_size=4, micro_batch_size=4, steps=4, **distill)
-        again.options.distill_weight = weight
+        again.options.distill_weight, again.options.distill_teacher = weight, str(where)
         train(dataclasses.replace(again, continue_adapter=str(tmp_path / "kd" / "adapter")))
         meta = adapter_meta(tmp_path / out / "adapter")
         assert meta.continued_from_step == 3 and meta.distill_from_step == expected

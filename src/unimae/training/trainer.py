@@ -588,14 +588,15 @@ def _distill_from(config: TrainConfig) -> int | None:
     """A distilled run continued from an adapter distilled from the same teacher at the same weight (a distilled
     cooldown lengthened where its checkpoints are gone): the step that distillation began at, which that adapter
     records, else the step it was continued from itself (0: it distilled from its first step). None otherwise: the
-    distillation, if any, begins at this run's first step."""
+    distillation, if any, begins at this run's first step. The same teacher: the same folder or Hub id, or one of the
+    same name (the teacher fetched into another home folder on another machine, or its Hub id)."""
     teacher = getattr(config.options, "distill_teacher", None)
     if not teacher:
         return None
     held = adapter_meta(config.continue_adapter)
     options = held.training_config.get("options") or {}
-    same_teacher = os.path.normpath(str(options.get("distill_teacher") or "")) == os.path.normpath(teacher)
-    if not same_teacher or options.get("distill_weight") != config.options.distill_weight:
+    names = {os.path.basename(os.path.normpath(str(t))) for t in (options.get("distill_teacher") or "", teacher)}
+    if len(names) != 1 or options.get("distill_weight") != config.options.distill_weight:
         return None
     return held.distill_start or 0
 
