@@ -21,7 +21,8 @@
 # the curve recorded there (a point below the one before it) holds: the final stage takes the release's weights. To
 # end a sitting: SIGTERM the training (it writes its adapter at the step it reached), then `RELEASE_ONLY=1 bash
 # recipes/retrieval.sh` writes the release from that adapter and its last curve point (where the run's adapter is
-# gone, it rewrites the release's card: `unimae release --card-only`).
+# gone, or a lengthened cooldown stopped before its curve point, it rewrites the release's card: `unimae release
+# --card-only`).
 # COOLDOWN=N (default 0: off): after a stop, the best point's adapter trains N more steps (into $RUNS/$SUP_RUN-
 # cooldown, `--continue-adapter`) with --lr decaying linearly to 0 (`--lr-schedule linear`), on the batches the
 # constant-rate run saw after it; its curve point (label cooldown-step-M) replaces the best point, and is released,
@@ -36,7 +37,8 @@
 # it continues the released cooldown: its bf16 weights, Adam restarted, the card still counting the distilled steps
 # from the best point) and scores that point; it replaces the released cooldown if its dev average rose above it, else
 # the final stage takes the release again (the longer adapter kept in $RUNS/$SUP_RUN-cooldown/adapter-step-M). A
-# decayed cooldown does not lengthen (its rate reached 0).
+# decayed cooldown does not lengthen (its rate reached 0), no cooldown shortens, a fresh-machine lengthening keeps the
+# release's DISTILL_WEIGHT, and COOLDOWN_SCHEDULE=constant needs DISTILL_WEIGHT: the recipe refuses the others.
 # Environment: RUNS, OUT, DEV, PAIRS, RELEASE (default unimae-<model>-retriever), SUP_RUN (default retriever),
 # START (unimae, the default: the supervised stage trains the UniMAE stage's own LoRA further, `--init-lora`, so
 # the release stays one LoRA; none: a fresh LoRA on the base model; the choice: docs/results.md), SUP_STEPS,
@@ -87,6 +89,11 @@ case $COOLDOWN_SCHEDULE in
   linear | constant) ;;
   *) echo "retrieval.sh: COOLDOWN_SCHEDULE must be linear or constant, not '$COOLDOWN_SCHEDULE'" >&2; exit 2 ;;
 esac
+if [ "$COOLDOWN" -gt 0 ] && [ "$COOLDOWN_SCHEDULE" = constant ] && awk "BEGIN { exit !($DISTILL_WEIGHT <= 0) }"; then
+  echo "retrieval.sh: COOLDOWN_SCHEDULE=constant needs DISTILL_WEIGHT > 0 (without distillation a constant-rate" \
+    "cooldown is the supervised stage going on: raise SUP_STEPS instead)" >&2
+  exit 2
+fi
 
 # shellcheck source=recipes/retrieval_data.sh
 source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC, $MRL_DIMS
@@ -176,11 +183,12 @@ sys.exit(0 if record.is_file() and json.loads(record.read_text()).get("revision"
 EOF
 }
 
-release() {  # releases/RELEASE from the run's adapter, its card from the results of that very adapter; on a fresh
-  # machine, where the run's adapter is gone, the release's card alone, from the results of its own weights
+release() {  # [card-only]: releases/RELEASE from the run's adapter, its card from the results of that very adapter;
+  # on a fresh machine, where the run's adapter is gone (or when asked), the release's card alone, from the results of
+  # its own weights
   local adapter=$run/adapter write=(--adapter "$run/adapter") dev=$OUT/retrieval-eos summary=() steps
   local dims=$OUT/dimensions.json command="MODEL=$MODEL ${chosen[*]:+${chosen[*]} }bash recipes/retrieval.sh"
-  if [ ! -f "$adapter/unimae.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
+  if [ "${1:-}" = card-only ] || { [ ! -f "$adapter/unimae.json" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; }; then
     adapter=$RELEASES/$RELEASE
     write=(--card-only)
   fi
@@ -236,7 +244,7 @@ cooldown_settings() {  # adapter steps: the recipe settings that made that coold
   if [ -n "$teacher" ]; then
     weight=$(json_field "$1/unimae.json" training_config options distill_weight)
     settings+=" DISTILL_WEIGHT=${weight%.0}"
-    [ "$teacher" = "$(default_teacher)" ] || settings+=" TEACHER=$(printf '%q' "$teacher")"
+    [ "${teacher##*/}" = "$(basename "$(default_teacher)")" ] || settings+=" TEACHER=$(printf '%q' "$teacher")"
   fi
   echo "$settings"
 }
@@ -254,10 +262,14 @@ cooldown_flags() {  # best: the cooldown's own training flags (its schedule, its
   fi
 }
 
-steps_held() {  # the steps the run's adapter holds, else the release's (a fresh machine), else 0
+steps_held() {  # the constant-rate stage's steps the run's adapter holds, else the release's (a fresh machine:
+  # for a released cooldown, the step it cooled from, whose curve point the next one is judged against), else 0
   local steps
   steps=$(adapter_steps)
-  [ -n "$steps" ] || steps=$(adapter_steps "$RELEASES/$RELEASE")
+  if [ -z "$steps" ] && [ -f "$RELEASES/$RELEASE/unimae.json" ]; then
+    steps=$(cooled_from "$RELEASES/$RELEASE")
+    [ -n "$steps" ] || steps=$(adapter_steps "$RELEASES/$RELEASE")
+  fi
   echo "${steps:-0}"
 }
 
@@ -356,7 +368,12 @@ cooldown_stage() {  # after a stop: step best's adapter COOLDOWN more steps, --l
   local best steps source
   best=$(stopped_best)
   steps=$((best + COOLDOWN))
-  [ ! -f "$OUT/curve/cooldown-step-$steps/run.json" ] || [ "$(adapter_steps "$cool/adapter")" = "$steps" ] || return 0
+  if [ -f "$OUT/curve/cooldown-step-$steps/run.json" ] && [ "$(adapter_steps "$cool/adapter")" != "$steps" ]; then
+    scored_for "$OUT/curve/cooldown-step-$steps" "$RELEASES/$RELEASE" || echo "retrieval.sh: the curve holds" \
+      "cooldown-step-$steps, an earlier sitting's cooldown that was not released: that decision stands (to train" \
+      "this one, delete $OUT/curve/cooldown-step-$steps and $cool)"
+    return 0
+  fi
   if [ "$(adapter_steps "$cool/adapter")" != "$steps" ]; then
     source=$(cooldown_source "$best" "$steps")
     cooldown_flags "$best"
@@ -385,6 +402,10 @@ cooldown_source() {  # best steps: the adapter a cooldown of step best to step s
       exit 1
     fi
     echo "$run/adapter"
+  elif (( end > $2 )) || { [ -n "$checkpoints" ] && (( checkpoints > $2 )); }; then
+    echo "retrieval.sh: $held is a longer cooldown of step $1 (to step ${checkpoints:-$end}) than COOLDOWN=$(($2 - $1));" \
+      "a cooldown does not shorten" >&2
+    exit 1
   elif [ "$checkpoints" != "$2" ] && { [ "$COOLDOWN_SCHEDULE" != constant ] || [ -n "$(decay_from "$held")" ]; }; then
     echo "retrieval.sh: $held is a cooldown of step $1 to step $end; a decayed one does not lengthen: delete" \
       "$cool and $OUT/curve/cooldown-step-$end to try COOLDOWN=$(($2 - $1))" >&2
@@ -392,6 +413,11 @@ cooldown_source() {  # best steps: the adapter a cooldown of step best to step s
   elif [ -n "$checkpoints" ]; then  # stopped part-way, or lengthened: resumed, from the adapter its run continued
     source=$(json_field "$cool/config.json" continue_adapter)
     echo "${source:-$run/adapter}"
+  elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ] \
+    && ! awk "BEGIN { exit !($(json_field "$held/unimae.json" training_config options distill_weight) == $DISTILL_WEIGHT) }"; then
+    echo "retrieval.sh: the released cooldown of step $1 was distilled at weight $(json_field "$held/unimae.json" \
+      training_config options distill_weight), not DISTILL_WEIGHT=$DISTILL_WEIGHT: a lengthening goes on as it went" >&2
+    exit 1
   elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ]; then
     echo "retrieval.sh: lengthening the released cooldown of step $1 (step $end) to step $2 on a machine without" \
       "its checkpoints: it continues from the release (bf16 weights, Adam restarted)" >&2
@@ -450,18 +476,28 @@ took_cooldown() {  # true if a cooldown of the stop's best step rose above it: r
   point=cooldown-step
 }
 
+point_after() {  # step: the curve's first constant-rate point past that step ('' if none)
+  local label
+  for label in $(curve_labels 'step-*' 2); do
+    if (( ${label#step-} > $1 )); then
+      echo "$label"
+      return 0
+    fi
+  done
+}
+
 supervised_stage() {  # CURVE_EVERY steps at a time, with a dev-suite point after each
 previous=""
 held=$(steps_held)
 for (( steps = CURVE_EVERY; steps < SUP_STEPS + CURVE_EVERY; steps += CURVE_EVERY )); do
   (( steps > SUP_STEPS )) && steps=$SUP_STEPS
-  since=$previous  # the point this one is judged against: the held adapter's own, where the curve has it (a
+  since=$previous  # the point the next one is judged against: the held adapter's own, where the curve has it (a
   # fresh machine whose release is off this CURVE_EVERY's grid), else the point before
-  [ -z "$previous" ] || [ ! -f "$OUT/curve/step-$held/run.json" ] || since=step-$held
-  if (( steps > held )) && [ "$STOP_EARLY" = 1 ] && [ -n "$since" ] && [ -f "$OUT/curve/step-$steps/run.json" ] \
-    && ! rose "$since" "step-$steps"; then  # a sitting on another machine reached this point; the average fell
-    echo "retrieval.sh: the curve holds step-$steps, below $since: the stage stopped there in an earlier sitting"
-    restore_best "${since#step-}" "$steps"
+  [ ! -f "$OUT/curve/step-$held/run.json" ] || since=step-$held
+  next=$(point_after "$held")  # a sitting on another machine went on past the held step, on any CURVE_EVERY's grid
+  if (( steps > held )) && [ "$STOP_EARLY" = 1 ] && [ -n "$since" ] && [ -n "$next" ] && ! rose "$since" "$next"; then
+    echo "retrieval.sh: the curve holds $next, below $since: the stage stopped there in an earlier sitting"
+    restore_best "${since#step-}" "${next#step-}"
     break
   fi
   if (( steps > held )); then
@@ -492,6 +528,14 @@ done
 
 if [ "$RELEASE_ONLY" = 1 ]; then
   if [ -f "$run/stopped-early.json" ] && [ -f "$cool/adapter/unimae.json" ]; then
+    cut=$(adapter_steps "$cool/adapter")
+    if [ "$(cooled_from "$cool/adapter")" = "$(stopped_best)" ] && [ ! -f "$OUT/curve/cooldown-step-$cut/run.json" ] \
+      && [ -n "$(released_cooldown "$(stopped_best)" "$cut")" ]; then
+      echo "retrieval.sh: the lengthened cooldown was cut short at step $cut, before its curve point: the released" \
+        "cooldown stands (its card rewritten); the next sitting resumes the lengthening"
+      release card-only
+      exit 0
+    fi
     took_cooldown || true  # a cooldown that replaced the best point is what the release holds
   fi
   release

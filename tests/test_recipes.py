@@ -88,6 +88,7 @@ def _retrieval_calls(tmp_path: Path, env: dict, release_steps: int | None = None
         "SUP_STEPS": "200",
         "CURVE_EVERY": "80",
         "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path / "home"),  # recipes/get_teacher.sh --where names a folder under it (fetches nothing)
         **env,
     }
     subprocess.run(["bash", str(HELPER.parent / "retrieval.sh")], check=True, env=settings, cwd=ROOT)
@@ -396,10 +397,10 @@ def _lengthened(tmp_path: Path, longer: float) -> tuple[list[str], dict]:
 
 
 @pytest.mark.parametrize("longer, released", [(64.0, 240), (62.5, 200)], ids=["rose", "fell"])
-def test_retrieval_recipe_lengthens_a_constant_rate_cooldown(tmp_path, longer, released):
+def test_retrieval_recipe_lengthens_a_constant_rate_cooldown(tmp_path, capfd, longer, released):
     """A larger COOLDOWN resumes the distilled cooldown's checkpoints to the new end and scores it: above the released
     cooldown it becomes the release (the card names COOLDOWN=80); below it the final stage takes the release again
-    and the longer adapter is kept aside; a later sitting trains nothing."""
+    and the longer adapter is kept aside; a later sitting trains nothing (and says why where it fell)."""
     lines, env = _lengthened(tmp_path, longer)
     cool, release = tmp_path / "runs" / "retriever-cooldown", tmp_path / "releases" / "r"
     trains = [line for line in lines if line.startswith("train")]
@@ -414,8 +415,12 @@ def test_retrieval_recipe_lengthens_a_constant_rate_cooldown(tmp_path, longer, r
     command = f"--command COOLDOWN={released - 160} COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t MODEL="
     assert command in lines[-1]
     (tmp_path / "calls").write_text("")
+    capfd.readouterr()
     again = _retrieval_calls(tmp_path, env)
     assert not any(line.startswith("train") for line in again) and command in again[-1]
+    assert ("cooldown-step-240, an earlier sitting's cooldown that was not released" in capfd.readouterr().out) == (
+        released == 200
+    )
 
 
 @pytest.mark.parametrize("longer, released", [(64.0, 240), (62.5, 200)], ids=["rose", "fell"])
@@ -445,19 +450,77 @@ def test_retrieval_recipe_lengthens_the_released_cooldown_on_a_fresh_machine(tmp
     assert not any(line.startswith("train") for line in again) and command in again[-1]
 
 
-@pytest.mark.parametrize("case", ["decayed", "no-checkpoints"])
+@pytest.mark.parametrize("every", ["80", "160"])
+def test_retrieval_recipe_lengthens_a_released_cooldown_of_an_off_grid_step_on_a_fresh_machine(tmp_path, every):
+    """A sitting at 40-step points stopped at 240 (below 200, above 160) and released a distilled cooldown of step
+    200; a fresh machine at 80- or 160-step points (whose grid misses 200, or 240) judges 240 against step 200
+    (where the release cooled from), not 160: it trains no constant-rate step (before, it tried to continue the
+    cooldown as the constant-rate stage and failed) and lengthens the released cooldown."""
+    averages = {"step-40": 58.0, "step-80": 60.0, "step-120": 61.0, "step-160": 62.0, "step-200": 63.0}
+    averages |= {"step-240": 62.5, "cooldown-step-220": 64.0, "cooldown-step-240": 64.5}
+    env = {**_stand_ins(tmp_path, averages), **DISTILL}
+    _retrieval_calls(tmp_path, {**env, "COOLDOWN": "20", "CURVE_EVERY": "40"})
+    release = tmp_path / "releases" / "r"
+    assert (release / "adapter_model.safetensors").read_text() == "weights of step 220"
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "calls").write_text("")
+    lines = _retrieval_calls(tmp_path, {**env, "COOLDOWN": "40", "CURVE_EVERY": every})
+    trains = [line for line in lines if line.startswith("train")]
+    assert len(trains) == 1 and f"--continue-adapter {release} " in trains[0]
+    assert "--distill-weight 4 --steps 240" in trains[0]
+    assert (release / "adapter_model.safetensors").read_text() == "weights of step 240"
+    assert "--command COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 TEACHER=/t MODEL=" in lines[-1]
+
+
+def test_retrieval_recipe_release_only_keeps_the_released_cooldown_over_a_lengthening_cut_short(tmp_path):
+    """The released cooldown (step 200) is being lengthened to 240 and the sitting ends with SIGTERM at step 220 (its
+    adapter written, no curve point): RELEASE_ONLY=1 rewrites the release's card only; before, it released step 160's
+    adapter over the cooldown."""
+    import json
+
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    env = {**_stand_ins(tmp_path, averages), **DISTILL}
+    _retrieval_calls(tmp_path, {**env, "COOLDOWN": "40"})
+    cut = tmp_path / "runs" / "retriever-cooldown" / "adapter"
+    (cut / "adapter_model.safetensors").write_text("weights of step 220")
+    meta = json.loads((cut / "unimae.json").read_text())
+    (cut / "unimae.json").write_text(json.dumps({**meta, "trained_steps": 220}))
+    (tmp_path / "calls").write_text("")
+    lines = _retrieval_calls(tmp_path, {**env, "COOLDOWN": "80", "RELEASE_ONLY": "1"})
+    release = tmp_path / "releases" / "r"
+    assert len(lines) == 1 and lines[0].startswith("release --card-only --name r")
+    assert f"--dev-results {tmp_path / 'out' / 'retrieval-eos'} " in lines[0]  # the final stage's, of the release
+    assert "--command COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4" in lines[0]
+    assert (release / "adapter_model.safetensors").read_text() == "weights of step 200"
+
+
+REFUSED = {  # case: (what the later sitting changes, what its error says)
+    "decayed": ({"COOLDOWN": "80"}, "does not lengthen"),  # its rate reached 0
+    "no-checkpoints": ({"COOLDOWN": "80"}, "resumes its checkpoints"),  # a constant-rate one held here needs them
+    "shorter": ({"COOLDOWN": "20"}, "does not shorten"),  # its checkpoints are past the new end
+    "fresh-shorter": ({"COOLDOWN": "20"}, "does not shorten"),  # the released cooldown is past it
+    "fresh-other-weight": ({"COOLDOWN": "80", "DISTILL_WEIGHT": "2"}, "distilled at weight 4"),  # a new distillation
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
 def test_retrieval_recipe_refuses_a_cooldown_it_cannot_lengthen(tmp_path, capfd, case):
-    """A decayed cooldown does not lengthen (its rate reached 0); a constant-rate one needs its checkpoints."""
+    """A cooldown of step 160 to 200 is held (a decay, else a distillation at a constant rate; "fresh": only its
+    release, on a fresh machine): a later sitting that cannot go on from it as one cooldown would have says why and
+    trains nothing."""
     averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
     settings = {} if case == "decayed" else DISTILL
     _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "COOLDOWN": "40"})
     if case == "no-checkpoints":
         shutil.rmtree(tmp_path / "runs" / "retriever-cooldown" / "checkpoints")
+    if case.startswith("fresh"):
+        shutil.rmtree(tmp_path / "runs")
     (tmp_path / "calls").write_text("")
     capfd.readouterr()
+    later, error = REFUSED[case]
     with pytest.raises(subprocess.CalledProcessError):
-        _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "COOLDOWN": "80"})
-    assert ("does not lengthen" if case == "decayed" else "resumes its checkpoints") in capfd.readouterr().err
+        _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, **later})
+    assert error in capfd.readouterr().err
     assert not any(line.startswith("train") for line in (tmp_path / "calls").read_text().splitlines())
 
 
@@ -482,9 +545,14 @@ def test_retrieval_recipe_resumes_a_decayed_cooldown_stopped_part_way(tmp_path):
     assert any("--label cooldown-step-200" in line for line in lines)
 
 
-def test_retrieval_recipe_refuses_an_unknown_cooldown_schedule(tmp_path):
+@pytest.mark.parametrize(
+    "settings",
+    [{"COOLDOWN_SCHEDULE": "cosine"}, {"COOLDOWN": "40", "COOLDOWN_SCHEDULE": "constant"}],
+    ids=["unknown-schedule", "constant-without-distillation"],  # the latter would never replace the best point
+)
+def test_retrieval_recipe_refuses_a_cooldown_it_cannot_take(tmp_path, settings):
     with pytest.raises(subprocess.CalledProcessError):
-        _retrieval_calls(tmp_path, {"COOLDOWN_SCHEDULE": "cosine"})
+        _retrieval_calls(tmp_path, settings)
     assert not (tmp_path / "calls").exists()
 
 
