@@ -391,7 +391,7 @@ cooldown_source() {  # best steps: the adapter a cooldown of step best to step s
   # checkpoints (the adapter its run continued), or on a fresh machine from the release (its bf16 weights, Adam
   # restarted, as the supervised stage goes on there); a decayed one (one stopped part-way resumes to its own end),
   # or one held here without checkpoints, is refused
-  local held=$cool/adapter end source checkpoints="" from
+  local held=$cool/adapter end source checkpoints="" from weight
   from=$(cooled_from "$held")
   [ "$from" = "$1" ] || { held=$RELEASES/$RELEASE; from=$(cooled_from "$held"); }
   end=$(adapter_steps "$held")
@@ -413,12 +413,13 @@ cooldown_source() {  # best steps: the adapter a cooldown of step best to step s
   elif [ -n "$checkpoints" ]; then  # stopped part-way, or lengthened: resumed, from the adapter its run continued
     source=$(json_field "$cool/config.json" continue_adapter)
     echo "${source:-$run/adapter}"
-  elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ] \
-    && ! awk "BEGIN { exit !($(json_field "$held/unimae.json" training_config options distill_weight) == $DISTILL_WEIGHT) }"; then
-    echo "retrieval.sh: the released cooldown of step $1 was distilled at weight $(json_field "$held/unimae.json" \
-      training_config options distill_weight), not DISTILL_WEIGHT=$DISTILL_WEIGHT: a lengthening goes on as it went" >&2
-    exit 1
-  elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ]; then
+  elif [ "$held" = "$RELEASES/$RELEASE" ] && [ ! -e "$cool" ]; then  # a fresh machine: at the release's own weight
+    weight=$(json_field "$held/unimae.json" training_config options distill_weight)
+    if ! awk "BEGIN { exit !(${weight:-0} == $DISTILL_WEIGHT) }"; then
+      echo "retrieval.sh: the released cooldown of step $1 was distilled at weight ${weight:-0}, not" \
+        "DISTILL_WEIGHT=$DISTILL_WEIGHT: a lengthening goes on as it went" >&2
+      exit 1
+    fi
     echo "retrieval.sh: lengthening the released cooldown of step $1 (step $end) to step $2 on a machine without" \
       "its checkpoints: it continues from the release (bf16 weights, Adam restarted)" >&2
     echo "$RELEASES/$RELEASE"
