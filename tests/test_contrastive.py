@@ -512,6 +512,19 @@ def test_a_continued_run_may_decay_its_learning_rate_over_the_new_steps(tiny_mod
         train(_config(tiny, data, tmp_path / "b", steps=6, continue_adapter=source, **decay), resume=True)
 
 
+def test_a_continued_run_may_reweight_its_next_token_term_but_not_change_its_texts(tiny_model_dirs, tmp_path):
+    data = _write(tmp_path / "pairs.jsonl", _records(24))
+    tiny = tiny_model_dirs["llama"]
+    train(_config(tiny, data, tmp_path / "a", steps=2, lm_weight=0.1, lm_texts=4))
+    source = str(tmp_path / "a" / "adapter")
+    train(_config(tiny, data, tmp_path / "b", steps=3, continue_adapter=source, lm_weight=0.3, lm_texts=4))
+    assert json.loads((tmp_path / "b" / "adapter" / "unimae.json").read_text())["training_config"]["options"][
+        "lm_weight"
+    ] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="lm_texts 4 -> 8"):  # which texts the term reads stays the run's
+        train(_config(tiny, data, tmp_path / "c", steps=3, continue_adapter=source, lm_weight=0.3, lm_texts=8))
+
+
 def test_options_nothing_reads_are_warned(caplog):
     from unimae.training.config import TrainConfig
 

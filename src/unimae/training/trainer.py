@@ -179,7 +179,7 @@ _RESUME_MAY_CHANGE = {
 # teacher's term added to the loss of the new steps.
 _CONTINUE_MAY_CHANGE = _RESUME_MAY_CHANGE | {
     "continue_adapter", "init_adapter", "init_lora", "lr", "lr_schedule", "lr_decay_from",
-    "distill_teacher", "distill_weight", "distill_temperature",
+    "distill_teacher", "distill_weight", "distill_temperature", "lm_weight",
 }  # fmt: skip
 
 
