@@ -24,6 +24,7 @@ from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.models import load_model
 from unimae.training.config import TrainConfig, add_config_arguments, resolve_config
 from unimae.training.methods import Context, get_method
+from unimae.training.methods.contrastive import lm_position
 from unimae.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +224,54 @@ def test_lm_term_is_the_next_token_loss_of_the_positives(tiny_model_dirs):
     assert "lm" not in _method(tokenizer).build_objective(model)(batch), "off by default"
     first_two = _method(tokenizer, lm_weight=0.5, lm_texts=2).build_objective(model)(batch)
     assert float(first_two["lm"]) == pytest.approx(float(torch.stack(expected[:2]).mean()), rel=1e-5)
+
+
+def _lm_texts(path: Path, n: int = 7) -> Path:
+    path.write_text("".join(f"the note number {i} ends here.\n" for i in range(n)))
+    return path
+
+
+def test_lm_data_gives_the_next_token_term_its_own_texts(tiny_model_dirs, tmp_path):
+    """--lm-data: the term is the mean next-token CE of --lm-texts texts of that source (the positives unscored),
+    read in a seeded order that visits every text once per pass; the gradient cache gives the same loss and
+    gradient, running those texts after its chunks."""
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    model.train()
+    source = _lm_texts(tmp_path / "lm.txt")
+    method = _method(tokenizer, lm_weight=0.5, lm_texts=4, lm_data=str(source))
+    batch = method.collate(_records(6), list(range(6, 12)))
+    texts = source.read_text().splitlines()
+    read = [texts[lm_position(i, 7, 0)] for i in range(6, 10)]
+    assert batch["lm_input_ids"].shape[0] == 4
+    assert [
+        tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(batch["lm_input_ids"], batch["lm_attention_mask"], strict=True)
+    ] == read
+    plain = method.build_objective(model)(batch)
+    expected = []
+    with torch.no_grad():
+        for ids, mask in zip(batch["lm_input_ids"], batch["lm_attention_mask"], strict=True):
+            ids = ids[: int(mask.sum())]
+            expected.append(F.cross_entropy(model(ids[None]).logits[0, :-1].float(), ids[1:]))
+    assert float(plain["lm"]) == pytest.approx(float(torch.stack(expected).mean()), rel=1e-5)
+    plain["loss"].backward()
+    whole = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    cached = _method(tokenizer, lm_weight=0.5, lm_texts=4, lm_data=str(source), grad_cache_chunk=3)
+    losses = cached.build_objective(model)(batch)
+    losses["loss"].backward()
+    for key in ("loss", "contrastive", "lm"):
+        assert float(losses[key]) == pytest.approx(float(plain[key]), rel=1e-5), key
+    for name, grad in whole.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(_grads(model)[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_lm_position_visits_every_text_once_a_pass():
+    first, second = ([lm_position(i, 7, 3) for i in range(e * 7, e * 7 + 7)] for e in (0, 1))
+    assert sorted(first) == sorted(second) == list(range(7)) and first != second
+    assert [lm_position(i, 7, 3) for i in range(7)] == first, "a pure function of (index, size, seed)"
 
 
 @pytest.mark.parametrize("lm_weight", [0.0, 0.5])
@@ -512,7 +561,7 @@ def test_a_continued_run_may_decay_its_learning_rate_over_the_new_steps(tiny_mod
         train(_config(tiny, data, tmp_path / "b", steps=6, continue_adapter=source, **decay), resume=True)
 
 
-def test_a_continued_run_may_reweight_its_next_token_term_but_not_change_its_texts(tiny_model_dirs, tmp_path):
+def test_a_continued_run_may_reweight_or_resource_its_next_token_term_but_not_resize_it(tiny_model_dirs, tmp_path):
     data = _write(tmp_path / "pairs.jsonl", _records(24))
     tiny = tiny_model_dirs["llama"]
     train(_config(tiny, data, tmp_path / "a", steps=2, lm_weight=0.1, lm_texts=4))
@@ -521,19 +570,34 @@ def test_a_continued_run_may_reweight_its_next_token_term_but_not_change_its_tex
     assert json.loads((tmp_path / "b" / "adapter" / "unimae.json").read_text())["training_config"]["options"][
         "lm_weight"
     ] == pytest.approx(0.3)
-    with pytest.raises(ValueError, match="lm_texts 4 -> 8"):  # which texts the term reads stays the run's
+    with pytest.raises(ValueError, match="lm_texts 4 -> 8"):  # how many texts the term reads stays the run's
         train(_config(tiny, data, tmp_path / "c", steps=3, continue_adapter=source, lm_weight=0.3, lm_texts=8))
+    lm_data = str(_lm_texts(tmp_path / "lm.txt"))  # ...but not their source
+    train(
+        _config(
+            tiny, data, tmp_path / "d", steps=3, continue_adapter=source, lm_weight=0.3, lm_texts=4, lm_data=lm_data
+        )
+    )
+    options = json.loads((tmp_path / "d" / "adapter" / "unimae.json").read_text())["training_config"]["options"]
+    assert options["lm_data"] == lm_data and "lm" in _log(tmp_path / "d")[-1]
 
 
 def test_options_nothing_reads_are_warned(caplog):
     from unimae.training.config import TrainConfig
 
     config = TrainConfig.from_dict(
-        {"method": "contrastive", "lm_texts": 4, "query_prompt_dropout": 0.5, "lr_decay_from": 3, "steps": 10}
+        {
+            "method": "contrastive",
+            "lm_texts": 4,
+            "lm_data": "enwiki-gensim",
+            "query_prompt_dropout": 0.5,
+            "lr_decay_from": 3,
+            "steps": 10,
+        }  # fmt: skip
     )
     with caplog.at_level("WARNING"):
         config.validate()
-    for option in ("--lm-texts (without --lm-weight)", "--query-prompt-dropout", "--lr-decay-from (with"):
+    for option in ("--lm-texts (without", "--lm-data (without", "--query-prompt-dropout", "--lr-decay-from (with"):
         assert option in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):

@@ -12,7 +12,8 @@ Steps (1) and (2) run in ``forward``, which returns the loss as a leaf tensor; s
 so it runs inside the caller's ordinary ``loss.backward()``, scaled by the gradient the loss receives there
 (the trainer's ``1 / accum``).
 
-The LM term (``lm_weight`` > 0) is computed in step (3) only: its value is known once the graph passes have run,
+The LM term (``lm_weight`` > 0) is computed in step (3) only (its ``--lm-data`` texts, if any, after the chunks,
+in chunks of their own): its value is known once the graph passes have run,
 so step (1) never runs the output head. ``forward`` therefore returns values that backward completes: until
 ``backward()``, ``"loss"`` holds the contrastive part alone and ``"lm"`` is NaN; the hook then writes
 ``contrastive + lm_weight x L_LM`` into ``"loss"`` and ``L_LM`` into ``"lm"``, in place (the contract in
@@ -106,6 +107,8 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
                     part, lm_part = self.embed_and_lm(batch, rows)  # (R, D), scalar
                     parts.append(part)
                     lm = lm + lm_part
+            if not backward:
+                lm = lm + sum(self.lm_data_share(batch, rows) for rows in self._lm_data_chunks(batch))
         z = torch.empty(len(order), parts[0].shape[-1], device=parts[0].device)  # (N, D)
         z[order] = torch.cat(parts)
         if not backward:
@@ -127,6 +130,12 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
         out = {"loss": loss, "contrastive": contrastive, **logged}
         return {**out, "lm": lm_value} if self.lm_weight else out
 
+    def _lm_data_chunks(self, batch) -> list[torch.Tensor]:
+        """Row numbers of the batch's ``--lm-data`` texts in chunks of ``chunk_size`` (none without them)."""
+        if not self.lm_weight or "lm_input_ids" not in batch:
+            return []
+        return list(torch.arange(batch["lm_input_ids"].shape[0]).split(self.chunk_size))
+
     def _replay(self, grad_output: torch.Tensor, batch, chunks, states, grad, amp: _AutocastState, values) -> None:
         """(3), the hook on L: each chunk re-run with its graph and its share of L back-propagated, times
         ``grad_output`` (dOut/dL of the caller's backward); then the LM term's value, summed over the chunks, is
@@ -138,6 +147,10 @@ class GradCacheContrastiveObjective(ContrastiveObjective):
                 state.restore()  # same dropout masks as in (1)
                 part, lm_part = self.embed_and_lm(batch, rows)  # (R, D), this chunk's share of lm_weight x L_LM
                 torch.autograd.backward(((part * grad[rows]).sum() + lm_part) * grad_output)
+                lm = lm + lm_part.detach()
+            for rows in self._lm_data_chunks(batch):  # the --lm-data texts: a sum over texts, no cache needed
+                lm_part = self.lm_data_share(batch, rows)  # this chunk's share of lm_weight x L_LM
+                torch.autograd.backward(lm_part * grad_output)
                 lm = lm + lm_part.detach()
         outer.restore()
         values.complete(lm, self.lm_weight)

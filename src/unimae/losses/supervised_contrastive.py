@@ -31,7 +31,9 @@ class ContrastiveObjective(Objective):
     text's mean over its tokens, then the mean over texts; ``lm_texts`` > 0: of the first ``lm_texts`` of them
     only), computed from the same forward pass as their embeddings: GritLM's joint objective (Muennighoff et
     al. 2024, Eq. 3, ``L = L_Rep + lambda L_Gen``), here on the pairs' own positives rather than separate
-    instruction data, so that the adapter keeps generating.
+    instruction data, so that the adapter keeps generating. A batch carrying ``lm_input_ids`` /
+    ``lm_attention_mask`` (N, T) (``--lm-data``) takes L_LM over those N texts instead (the same means; GritLM's
+    separate generative data), from their own causal forward, and the positives are not scored.
 
     ``matryoshka_dims`` (Kusupati et al. 2022, Matryoshka Representation Learning, arXiv:2205.13147): the loss is
     ``sum_{m in M} L_InfoNCE(z[:, :m])`` over M = the full dimension D and each given prefix size m, every
@@ -109,27 +111,46 @@ class ContrastiveObjective(Objective):
         """(last-layer states (R, T', D), input ids, attention mask, pool mask (R, T')) of some rows, the padding
         columns they all share cut off (positions come from the mask, so cutting pads is exact)."""
         mask = batch["attention_mask"][rows]  # (R, T)
-        used = mask.any(0).nonzero()
-        cols = slice(int(used.min()), int(used.max()) + 1)
+        cols = _used_columns(mask)
         ids, mask, pool_mask = batch["input_ids"][rows][:, cols], mask[:, cols], batch["pool_mask"][rows][:, cols]
         return last_hidden(self.llm, ids, mask, pool_mask, self.attention), ids, mask, pool_mask
+
+    def lm_data_share(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """``lm_weight`` x the sum over the ``--lm-data`` texts among ``rows`` of each one's mean next-token CE, / the
+        number of those texts in the batch (N): the shares of any split into rows add up to ``lm_weight x L_LM``.
+        Their own forward with causal attention, as the model generates (0 when the batch has no such texts)."""
+        if self.lm_weight == 0 or "lm_input_ids" not in batch:
+            return torch.zeros((), device=batch["input_ids"].device)
+        mask = batch["lm_attention_mask"][rows]  # (R, T)
+        cols = _used_columns(mask)
+        ids, mask = batch["lm_input_ids"][rows][:, cols], mask[:, cols]
+        hidden = last_hidden(self.llm, ids, mask, mask, "causal")  # (R, T', D)
+        mean = self.ntp(hidden, ids, mask, self.llm.get_output_embeddings())
+        return self.lm_weight * mean * ids.shape[0] / batch["lm_input_ids"].shape[0]
 
     def lm_share(self, hidden, ids, mask, rows: torch.Tensor | slice, batch) -> torch.Tensor:
         """``lm_weight`` x the sum over the scored positives among ``rows`` of each one's mean next-token CE, / the
         number of scored positives (B, or ``lm_texts``): the shares of any split of the batch into rows add up to
         ``lm_weight x L_LM``. hidden (R, T, D), ids / mask (R, T) right-padded -> scalar (0 without scored
-        positives among the rows, or with ``lm_weight`` 0)."""
+        positives among the rows, with ``lm_weight`` 0, or when the term reads ``--lm-data`` instead)."""
         b = int(batch["num_queries"])
         scored = min(b, self.lm_texts) if self.lm_texts else b  # rows b .. b + scored - 1
         index = torch.arange(batch["input_ids"].shape[0], device=ids.device)[rows]  # (R,) row numbers in the batch
         positive = (index >= b) & (index < b + scored)  # (R,)
-        if self.lm_weight == 0 or not positive.any():
+        if self.lm_weight == 0 or "lm_input_ids" in batch or not positive.any():
             return hidden.new_zeros((), dtype=torch.float32)
         mean = self.ntp(hidden[positive], ids[positive], mask[positive], self.llm.get_output_embeddings())
         return self.lm_weight * mean * positive.sum() / scored
 
     def forward(self, batch) -> dict[str, torch.Tensor]:
         z, lm = self.embed_and_lm(batch)  # (2B + K, D), scalar
+        lm = lm + self.lm_data_share(batch)
         contrastive, logged = self.loss_and_log(z, batch)
         out = {"loss": contrastive + lm, "contrastive": contrastive.detach(), **logged}
         return {**out, "lm": (lm / self.lm_weight).detach()} if self.lm_weight else out
+
+
+def _used_columns(mask: torch.Tensor) -> slice:
+    """The columns of a right- or left-padded mask (R, T) that any row uses."""
+    used = mask.any(0).nonzero()
+    return slice(int(used.min()), int(used.max()) + 1)

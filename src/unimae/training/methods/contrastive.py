@@ -2,7 +2,8 @@
 
 In-batch negatives plus the hard negatives of the batch, without the batch's known false negatives
 (``--mask-false-negatives``); ``--symmetric-loss`` adds the positive -> queries direction; ``--lm-weight``
-adds a next-token loss on the positives (GritLM's joint objective), so that the adapter keeps generating.
+adds a next-token loss on the positives (GritLM's joint objective), so that the adapter keeps generating; with
+``--lm-data`` on texts of another source instead (GritLM's separate generative data).
 ``--data`` takes several files (or a mixture file) with ``--data-weights``; every global batch is drawn from one source
 (:mod:`unimae.data.pairs`). ``--grad-cache-chunk N`` embeds the batch in chunks of N texts with a gradient cache,
 so large batches fit in memory. Trains (and embeds with) the ``--init-adapter``'s spec, as SimCSE does:
@@ -31,15 +32,18 @@ import logging
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from unimae.data.corpus import load_texts
 from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
 from unimae.embedding.spec import EmbeddingSpec
+from unimae.embedding.tokenization import encode_with_eos
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.runtime.precision import resolve_device
 from unimae.training.config import TrainConfig, choice_field
-from unimae.training.methods.base import Context, Method, decayed_lr, pooled_batch
+from unimae.training.methods.base import Context, Method, decayed_lr, pad_right, pooled_batch
 from unimae.training.methods.options import InfoNCEOptions, pooling_field
 from unimae.training.methods.registry import register_method
 from unimae.training.methods.simcse import init_spec_with_pooling
@@ -90,7 +94,18 @@ class ContrastiveOptions(InfoNCEOptions):
         default=0,
         metadata={
             "help": "With --lm-weight: the next-token loss on the first N positives of each batch only (0: all); the "
-            "output head over a 262k vocabulary makes scoring all 256 of a batch costly (docs/methods.md)."
+            "output head over a 262k vocabulary makes scoring all 256 of a batch costly (docs/methods.md). With "
+            "--lm-data: N texts of that source per batch (0: as many as the batch has pairs)."
+        },
+    )
+    lm_data: str = field(
+        default="",
+        metadata={
+            "help": "[decision] With --lm-weight: the next-token term reads texts of this source instead of the "
+            "positives (GritLM's separate generative data): 'enwiki-gensim' (the default corpus' training "
+            "articles), a .txt/.jsonl/.parquet file or a Hub dataset, as --data of the unsupervised methods; each "
+            "batch draws --lm-texts of them in a seeded order (every text once before any repeats). Costs a "
+            "forward and backward of those texts; empty: the positives."
         },
     )
     query_prompt: str = field(
@@ -216,6 +231,7 @@ class ContrastiveOptions(InfoNCEOptions):
         """A warning for each option set where nothing reads it (the run goes on without it)."""
         unused = {
             "--lm-texts (without --lm-weight)": self.lm_texts and not self.lm_weight,
+            "--lm-data (without --lm-weight)": self.lm_data and not self.lm_weight,
             "--query-prompt-dropout (without --query-prompt)": self.query_prompt_dropout and not self.query_prompt,
             "--lr-decay-from (with --lr-schedule constant)": self.lr_decay_from and self.lr_schedule == "constant",
             "--distill-weight / --distill-temperature (without --distill-teacher)": not self.distill_teacher
@@ -274,6 +290,8 @@ class Contrastive(Method):
                 f"--symmetric-sources names {unknown}, which are not among the --data sources {sorted(names)}"
             )
         logger.info("contrastive pairs: %s", self.mixture.describe())
+        if self.options.lm_data and self.options.lm_weight:
+            logger.info("next-token term: %d texts of %s", len(self.lm_corpus), self.options.lm_data)
         return self.mixture.pairs
 
     def example_order(self, num_examples: int, seed: int) -> SourceBatchOrder:
@@ -316,7 +334,24 @@ class Contrastive(Method):
         if self.options.distill_teacher:
             documents = [r["positive"] for r in records] + [r["negative"] for r in records if r.get("negative")]
             extra["teacher_scores"] = self.teacher.scores([r["query"] for r in records], documents)  # (B, B + K)
+        if self.options.lm_data and self.options.lm_weight:
+            extra.update(self._lm_batch(indices))
         return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, self.embedding_spec(), **extra)
+
+    def _lm_batch(self, indices) -> dict[str, torch.Tensor]:
+        """``--lm-data`` rows of a batch: ``lm_input_ids``, ``lm_attention_mask`` (N, T), N = ``--lm-texts`` (or the
+        batch's pairs); the text of the batch's j-th example (global index i) is the i-th of the source's seeded
+        order, so resume and any split over processes read the same texts."""
+        count = min(len(indices), self.options.lm_texts or len(indices))
+        texts = [self.lm_corpus[lm_position(i, len(self.lm_corpus), self.config.seed)] for i in indices[:count]]
+        tok = self.ctx.tokenizer
+        ids, mask = pad_right(encode_with_eos(tok, texts, self.config.max_length, warn=False), tok.pad_token_id)
+        return {"lm_input_ids": ids, "lm_attention_mask": mask}
+
+    @functools.cached_property
+    def lm_corpus(self) -> list[str]:
+        """The ``--lm-data`` texts (loaded by ``load_data``, else at the first batch)."""
+        return load_texts(self.options.lm_data)
 
     @functools.cached_property
     def teacher(self) -> Teacher:
@@ -345,6 +380,13 @@ class Contrastive(Method):
             prompts.update(query=o.query_prompt, document=o.document_prompt)
         dims = o.dims or spec.matryoshka_dims
         return dataclasses.replace(spec, prompts=tuple(prompts.items()), matryoshka_dims=dims)
+
+
+def lm_position(index: int, size: int, seed: int) -> int:
+    """The ``--lm-data`` text read for global example ``index``: position ``index mod size`` of a permutation of the
+    ``size`` texts drawn afresh (from ``seed``) for each pass over them."""
+    epoch, offset = divmod(index, size)
+    return int(np.random.default_rng([seed, epoch]).permutation(size)[offset])
 
 
 def parse_dims(text: str) -> tuple[int, ...]:
