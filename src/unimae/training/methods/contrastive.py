@@ -386,7 +386,13 @@ def lm_position(index: int, size: int, seed: int) -> int:
     """The ``--lm-data`` text read for global example ``index``: position ``index mod size`` of a permutation of the
     ``size`` texts drawn afresh (from ``seed``) for each pass over them."""
     epoch, offset = divmod(index, size)
-    return int(np.random.default_rng([seed, epoch]).permutation(size)[offset])
+    return int(_pass_order(size, seed, epoch)[offset])
+
+
+@functools.lru_cache(maxsize=2)
+def _pass_order(size: int, seed: int, epoch: int) -> np.ndarray:
+    """(size,) the order of the ``--lm-data`` texts in pass ``epoch`` (kept for the batches of a pass)."""
+    return np.random.default_rng([seed, epoch]).permutation(size)
 
 
 def parse_dims(text: str) -> tuple[int, ...]:
