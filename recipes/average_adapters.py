@@ -2,8 +2,12 @@
 arXiv:2203.05482; along one trajectory, SWA: Izmailov et al. 2018, arXiv:1803.05407).
 
     python recipes/average_adapters.py --output runs/smollm2-135m/soup/adapter A B [C ...]
+    python recipes/average_adapters.py --output runs/gemma3-270m/wise --weights 0.7 0.3 START FINETUNED
 
 Every tensor of ``adapter_model.safetensors`` is the mean of the inputs' (in fp32, written in the first's dtype).
+With ``--weights`` it is the weighted mean ``sum_i w_i theta_i / sum_i w_i``: two inputs, a start and a model
+trained further from it, give WiSE-FT's interpolation ``(1 - a) theta_start + a theta_ft`` (Wortsman et al. 2022,
+arXiv:2109.01903), which trades what the further training gained against what it cost elsewhere.
 Decision: the LoRA factors A and B are averaged, not their products B A (whose mean has rank up to 16 x N):
 the average is again one rank-16 LoRA, close to the mean of the products while the inputs lie near each other
 on one run's path. The inputs must share the base model (fingerprint), LoRA config, tensor names and shapes and
@@ -49,14 +53,20 @@ def _lora_config(folder: Path) -> dict:
     return {**config, "target_modules": sorted(config.get("target_modules") or [])}
 
 
-def average(folders: list[Path]) -> dict[str, torch.Tensor]:
-    """name -> mean tensor over the inputs' LoRA weights."""
+def average(folders: list[Path], weights: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """name -> mean tensor over the inputs' LoRA weights (weighted by ``weights``, normalised to sum 1)."""
     states = [load_file(str(f / WEIGHTS)) for f in folders]
     for folder, state in zip(folders[1:], states[1:], strict=True):
         if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in states[0].items()}:
             raise ValueError(f"{folder}'s tensors differ from {folders[0]}'s in names or shapes")
+    if weights is None:  # the uniform soup, summed as it always was (the same bits as before --weights existed)
+        return {
+            name: (sum(s[name].float() for s in states) / len(states)).to(tensor.dtype).contiguous()
+            for name, tensor in states[0].items()
+        }
+    shares = [w / sum(weights) for w in weights]
     return {
-        name: (sum(s[name].float() for s in states) / len(states)).to(tensor.dtype).contiguous()
+        name: sum(w * s[name].float() for w, s in zip(shares, states, strict=True)).to(tensor.dtype).contiguous()
         for name, tensor in states[0].items()
     }
 
@@ -65,15 +75,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("adapters", nargs="+", type=Path, help="Adapter folders of one run (at least 2).")
     parser.add_argument("--output", type=Path, required=True, help="New adapter folder for the average.")
+    parser.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        metavar="W",
+        help="One positive weight per adapter, in their order (normalised to sum 1); default equal.",
+    )
     args = parser.parse_args(argv)
     if len(args.adapters) < 2:
         parser.error("give at least 2 adapter folders")
+    if args.weights is not None and len(args.weights) != len(args.adapters):
+        parser.error(f"--weights gives {len(args.weights)} weights for {len(args.adapters)} adapters")
+    if args.weights is not None and min(args.weights) <= 0:
+        parser.error("--weights must all be positive")
     if args.output.exists():
         parser.error(f"{args.output} exists; choose a new --output")
     meta = check_alike(args.adapters)
-    state = average(args.adapters)
+    state = average(args.adapters, args.weights)
     meta["embedding"].pop("rotation", None)
     meta["averaged_from"] = [{"adapter": str(f), "revision": adapter_revision(f)} for f in args.adapters]
+    if args.weights is not None:
+        for entry, weight in zip(meta["averaged_from"], args.weights, strict=True):
+            entry["weight"] = weight / sum(args.weights)
     partial = args.output.with_name(f".{args.output.name}.partial")
     remove(partial)
     partial.mkdir(parents=True)

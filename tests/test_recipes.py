@@ -612,7 +612,7 @@ def test_retrieval_recipe_on_a_fresh_machine_takes_the_released_cooldown(tmp_pat
     assert f"--train-log {cool / 'log.jsonl'}" in again[0]
 
 
-def test_average_adapters_takes_the_mean_and_refuses_another_base(tmp_path):
+def test_average_adapters_takes_the_weighted_mean_and_refuses_another_base(tmp_path):
     """recipes/average_adapters.py: each LoRA tensor is the inputs' mean; a rotation is dropped; adapters of
     another base model are refused."""
     import importlib.util
@@ -644,3 +644,14 @@ def test_average_adapters_takes_the_mean_and_refuses_another_base(tmp_path):
     with pytest.raises(ValueError, match="another base model"):
         module.main([str(folders[0]), str(folders[2]), "--output", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
+    # --weights: WiSE-FT's interpolation, normalised; a count that does not match is refused before any write
+    pair = [str(folders[0]), str(folders[1])]
+    assert module.main([*pair, "--output", str(tmp_path / "wise"), "--weights", "3", "1"]) == 0
+    wise = load_file(str(tmp_path / "wise" / module.WEIGHTS))
+    assert torch.equal(wise["lora_A.weight"], torch.full((4, 8), 0.25))
+    assert torch.equal(wise["lora_B.weight"], torch.full((8, 4), 0.5))
+    written = json.loads((tmp_path / "wise" / module.META).read_text())
+    assert [entry["weight"] for entry in written["averaged_from"]] == [0.75, 0.25]
+    with pytest.raises(SystemExit):
+        module.main([*pair, "--output", str(tmp_path / "bad"), "--weights", "1"])
+    assert not (tmp_path / "bad").exists()
