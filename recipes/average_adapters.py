@@ -4,7 +4,8 @@ arXiv:2203.05482; along one trajectory, SWA: Izmailov et al. 2018, arXiv:1803.05
     python recipes/average_adapters.py --output runs/smollm2-135m/soup/adapter A B [C ...]
     python recipes/average_adapters.py --output runs/gemma3-270m/wise --weights 0.7 0.3 START FINETUNED
 
-Every tensor of ``adapter_model.safetensors`` is the mean of the inputs' (in fp32, written in the first's dtype).
+Every tensor of ``adapter_model.safetensors`` is the mean of the inputs' (in fp32, written in the widest of their
+dtypes: fp32 where one input is, so that a release made from it is checked against the fp32 average).
 With ``--weights`` it is the weighted mean ``sum_i w_i theta_i / sum_i w_i``: two inputs, a start and a model
 trained further from it, give WiSE-FT's interpolation ``(1 - a) theta_start + a theta_ft`` (Wortsman et al. 2022,
 arXiv:2109.01903), which trades what the further training gained against what it cost elsewhere.
@@ -59,16 +60,22 @@ def average(folders: list[Path], weights: list[float] | None = None) -> dict[str
     for folder, state in zip(folders[1:], states[1:], strict=True):
         if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in states[0].items()}:
             raise ValueError(f"{folder}'s tensors differ from {folders[0]}'s in names or shapes")
+    dtypes = {name: _widest(s[name].dtype for s in states) for name in states[0]}
     if weights is None:  # the uniform soup, summed as it always was (the same bits as before --weights existed)
         return {
-            name: (sum(s[name].float() for s in states) / len(states)).to(tensor.dtype).contiguous()
-            for name, tensor in states[0].items()
+            name: (sum(s[name].float() for s in states) / len(states)).to(dtypes[name]).contiguous()
+            for name in states[0]
         }
     shares = [w / sum(weights) for w in weights]
     return {
-        name: sum(w * s[name].float() for w, s in zip(shares, states, strict=True)).to(tensor.dtype).contiguous()
-        for name, tensor in states[0].items()
+        name: sum(w * s[name].float() for w, s in zip(shares, states, strict=True)).to(dtypes[name]).contiguous()
+        for name in states[0]
     }
+
+
+def _widest(dtypes) -> torch.dtype:
+    """The dtype of the most bits among ``dtypes`` (the first of those, on a tie)."""
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -655,3 +655,9 @@ def test_average_adapters_takes_the_weighted_mean_and_refuses_another_base(tmp_p
     with pytest.raises(SystemExit):
         module.main([*pair, "--output", str(tmp_path / "bad"), "--weights", "1"])
     assert not (tmp_path / "bad").exists()
+    # a bf16 input (a release) beside an fp32 one: the mean is written in fp32, the widest
+    save_file({k: v.bfloat16() for k, v in load_file(str(folders[0] / module.WEIGHTS)).items()},
+              str(folders[0] / module.WEIGHTS))  # fmt: skip
+    assert module.main([*pair, "--output", str(tmp_path / "mixed")]) == 0
+    mixed = load_file(str(tmp_path / "mixed" / module.WEIGHTS))["lora_A.weight"]
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, torch.full((4, 8), 0.5))
