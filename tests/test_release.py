@@ -190,6 +190,14 @@ def test_a_card_names_the_distillation_teacher_of_the_steps_that_had_one(adapter
     assert "`all-mpnet-base-v2` (`--distill-weight 4`, temperature 0.05; licence: Apache-2.0)" in card
     plain = build_card(CardInputs("r", tmp_path, dev), dataclasses.replace(meta, training_config={"batch_size": 256}))
     assert "Distillation" not in plain
+    assert "Weight averaging" not in plain
+    inputs = [
+        {"adapter": "runs/cool/adapter", "revision": "aaa", "weight": 0.5},
+        {"adapter": "runs/r80", "revision": "bbb"},
+    ]
+    averaged = build_card(CardInputs("r", tmp_path, dev), dataclasses.replace(meta, extra={"averaged_from": inputs}))
+    assert "mean of 2 adapters" in averaged and "`runs/cool/adapter` (revision aaa, share 0.50)" in averaged
+    assert "`runs/r80` (revision bbb, share 0.50)" in averaged and "Distillation: the 31 steps" in averaged
 
 
 def test_the_cards_wall_time_counts_each_step_of_the_released_adapter_once(tmp_path):

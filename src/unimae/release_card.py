@@ -443,6 +443,7 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
     sources = [Path(p).name.removesuffix(".jsonl") for p in str(config.get("data", "")).split(",") if p]
     data_rows = "".join(f"| {s} | {DATA_LICENCES.get(s, 'see its source')} |\n" for s in sources)
     weights = config.get("data_weights") or "size"
+    notes = _distillation(config, meta) + _averaging(meta)
     return f"""## Training
 
 ```bash
@@ -450,7 +451,7 @@ def _training(inputs: CardInputs, meta: AdapterMeta) -> str:
 ```
 
 - Steps: {meta.trained_steps}, each a batch of {config.get("batch_size")} pairs; {wall_time}.
-{_distillation(config, meta)}- Data (query -> positive pairs; one source per batch, `{weights}` weights):
+{notes}- Data (query -> positive pairs; one source per batch, `{weights}` weights):
 
 | source | licence |
 |---|---|
@@ -471,6 +472,24 @@ def _distillation(config: dict, meta: AdapterMeta) -> str:
         f"similarities of the sentence-transformers model `{name}` (`--distill-weight {weight:g}`, temperature "
         f"{config.get('distill_temperature')}; licence: {TEACHER_LICENCES.get(name, 'see its model card')}), so "
         "part of the scores comes from that teacher and the data it was trained on.\n"
+    )
+
+
+def _averaging(meta: AdapterMeta) -> str:
+    """The card's line on a LoRA that is a weighted mean of adapters (``recipes/average_adapters.py``, its
+    ``averaged_from``: WiSE-FT or a checkpoint soup), '' for a trained one. The steps, data and distillation the card
+    lists are those of the first input, whose record the mean carries."""
+    inputs = meta.extra.get("averaged_from") or []
+    if not inputs:
+        return ""
+    parts = [
+        f"`{entry.get('adapter')}` (revision {entry.get('revision')}, share {entry.get('weight', 1 / len(inputs)):.2f})"
+        for entry in inputs
+    ]
+    return (
+        f"- Weight averaging: the LoRA weights are the mean of {len(inputs)} adapters on one training path "
+        f"(WiSE-FT, arXiv:2109.01903, for a start and a model trained further from it): {', '.join(parts)}; the "
+        "steps and data here are the first's.\n"
     )
 
 
