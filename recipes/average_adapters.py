@@ -2,7 +2,7 @@
 arXiv:2203.05482; along one trajectory, SWA: Izmailov et al. 2018, arXiv:1803.05407).
 
     python recipes/average_adapters.py --output runs/smollm2-135m/soup/adapter A B [C ...]
-    python recipes/average_adapters.py --output runs/gemma3-270m/wise --weights 0.7 0.3 START FINETUNED
+    python recipes/average_adapters.py --output runs/gemma3-270m/wise FINETUNED START --weights 0.3 0.7
 
 Every tensor of ``adapter_model.safetensors`` is the mean of the inputs' (in fp32, written in the widest of their
 dtypes: fp32 where one input is, so that a release made from it is checked against the fp32 average).

@@ -80,6 +80,7 @@ STOP_EARLY=${STOP_EARLY:-1}
 TASKS=${TASKS-dev}
 RAG_QUESTIONS=${RAG_QUESTIONS:-20}
 GENERATION=${GENERATION:-1}
+GEN_OUT=results/generation-$SHORT/retrieval  # the release's generation suite (final_stage.sh)
 RELEASE_ONLY=${RELEASE_ONLY:-0}
 COOLDOWN=${COOLDOWN:-0}
 COOLDOWN_SCHEDULE=${COOLDOWN_SCHEDULE:-linear}
@@ -101,6 +102,8 @@ source "$(dirname "$0")/retrieval_data.sh"  # $files, $QUERY_PROMPT, $SYMMETRIC,
 source "$(dirname "$0")/train_run.sh"
 # shellcheck source=recipes/json_field.sh
 source "$(dirname "$0")/json_field.sh"  # json_field FILE KEY...
+# shellcheck source=recipes/final_stage.sh
+source "$(dirname "$0")/final_stage.sh"  # final_stage ADAPTER, rotation_of ADAPTER
 
 run=$RUNS/$SUP_RUN
 cool=$RUNS/$SUP_RUN-cooldown
@@ -141,9 +144,8 @@ curve_point() {  # steps: the dev suite of the adapter at that step (texts cut t
     --output-dir "$OUT/curve" --label "step-$1" --max-length "$CURVE_MAX_LENGTH"
 }
 
-rotate() {  # the run's adapter's Matryoshka rotation (PCA of its embeddings of its own training pairs), once
-  [ -n "$(json_field "$run/adapter/unimae.json" embedding rotation)" ] \
-    || $UNIMAE rotation --model "$MODEL" --adapter "$run/adapter" >&2
+rotate() {  # the run's adapter's Matryoshka rotation, once
+  rotation_of "$run/adapter"
 }
 
 curve_dimensions() {  # steps: the curve point's tasks at each Matryoshka size (labels pca-dK-step-N: not curve
@@ -210,7 +212,7 @@ release() {  # [card-only]: releases/RELEASE from the run's adapter, its card fr
     fi
   fi
   $UNIMAE release "${write[@]}" --name "$RELEASE" --root "$RELEASES" --dev-results "$dev" "${summary[@]}" \
-    --generation "results/generation-$SHORT/retrieval/generation.json" \
+    --generation "$GEN_OUT/generation.json" \
     --base-generation "results/generation-$SHORT/base-full-scorer/generation.json" --rag "$OUT/rag.json" \
     --repetition "results/generation-$SHORT/greedy-repetition.json" \
     --repetition "results/generation-$SHORT/greedy-repetition-wiki-heldout.json" --table "$dims" \
@@ -561,37 +563,5 @@ if [ ! -f "$run/adapter/unimae.json" ] && [ "$(adapter_steps "$RELEASES/$RELEASE
   echo "retrieval.sh: the run reached SUP_STEPS on an earlier machine: the final stage takes the release's weights"
   restore_release "$run/adapter"
 fi
-final=$run/adapter
-if [ -n "$TASKS" ]; then
-  # shellcheck disable=SC2086  # TASKS is a word list on purpose
-  $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
-    --output-dir "$OUT" --label retrieval-eos
-  rotate
-  for dims in ${MRL_DIMS//,/ }; do  # the Matryoshka prefixes (after the rotation), from the same cached vectors
-    # shellcheck disable=SC2086
-    $UNIMAE evaluate embeddings --model "$MODEL" --adapter "$final" --tasks $TASKS --data-dir "$DATA" \
-      --output-dir "$OUT" --label "retrieval-eos-d$dims" --dimensions "$dims"
-  done
-  dims_labels=$(for d in ${MRL_DIMS//,/ }; do printf 'retrieval-eos-d%s ' "$d"; done)
-  # shellcheck disable=SC2086
-  $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name dimensions --labels retrieval-eos $dims_labels
-  # shellcheck disable=SC2086
-  $UNIMAE evaluate summary --output-dir "$OUT" --tasks $TASKS --name summary --labels retrieval-eos \
-    "unimae-eos=$DEV/unimae-eos" "base-echo=$DEV/base-echo" "all-MiniLM-L6-v2=$DEV/all-MiniLM-L6-v2"
-  $PYTHON benchmarks/index_kinds.py --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
-    --kinds flat sq8 binary binary-bits --dimensions 0 256 128 64 --label retrieval-eos --cache-dir "$OUT" \
-    --output "$OUT/index-kinds.json"  # SciFact's vectors from the dev suite's cache
-fi
-if [ "$RAG_QUESTIONS" -gt 0 ]; then
-  $PYTHON benchmarks/load_test.py --model "$MODEL" --adapter "$final" --skip-server \
-    --questions "$RAG_QUESTIONS" --output "$OUT/rag.json"
-fi
-if [ "$GENERATION" = 1 ]; then
-  $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "release=$final"  # own label: earlier rows stay
-  $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --prompt-set wiki-heldout --prompts 64 --adapters none \
-    "release=$final"  # 64 held-out prompts: the paired difference from the base with its standard error
-  $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" \
-    --output-dir "results/generation-$SHORT/retrieval"
-  $UNIMAE evaluate generation --model "$MODEL" --data-dir "$DATA" --output-dir "results/generation-$SHORT/base-full-scorer"
-fi
+final_stage "$run/adapter"
 release

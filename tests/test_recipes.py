@@ -661,3 +661,63 @@ def test_average_adapters_takes_the_weighted_mean_and_refuses_another_base(tmp_p
     assert module.main([*pair, "--output", str(tmp_path / "mixed")]) == 0
     mixed = load_file(str(tmp_path / "mixed" / module.WEIGHTS))["lora_A.weight"]
     assert mixed.dtype == torch.float32 and torch.equal(mixed, torch.full((4, 8), 0.5))
+
+
+def test_wise_recipe_averages_tuned_and_start_scores_the_ends_and_releases_the_average(tmp_path):
+    """recipes/wise.sh: the mean of TUNED and START with shares ALPHA and 1 - ALPHA, carrying TUNED's record, scored
+    at the curve's length beside START's given row and TUNED scored here; with FINAL=1 the final stage (the dev
+    suite, the rotation, the per-size rows) and the release of the average, whose card command repeats the settings."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    env = _stand_ins(tmp_path, {})
+    ends = {}
+    for name, value, steps, dtype in (("start", 0.0, 80, torch.bfloat16), ("tuned", 1.0, 111, torch.float32)):
+        folder = tmp_path / name / "adapter"
+        folder.mkdir(parents=True)
+        save_file({"lora_A.weight": torch.full((4, 8), value, dtype=dtype)}, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
+        spec = {"pooling": "eos", "matryoshka_dims": [64, 128], **({"rotation": "r1"} if name == "start" else {})}
+        (folder / "unimae.json").write_text(
+            json.dumps({"base_fingerprint": "f", "trained_steps": steps, "embedding": spec})
+        )
+        ends[name] = folder
+    calls, runs = tmp_path / "calls", tmp_path / "runs"
+    settings = {
+        **env,
+        "MODEL": "gemma3-270m",
+        "START": str(ends["start"]),
+        "TUNED": str(ends["tuned"]),
+        "ALPHA": "0.25",
+        "START_ROW": "results/curve/step-80",
+        "FINAL": "1",
+        "RUNS": str(runs),
+        "WISE_OUT": str(tmp_path / "wise-out"),
+        "OUT": str(tmp_path / "out"),
+        "RELEASES": str(tmp_path / "releases"),
+        "RELEASE": "r",
+        "UNIMAE_DATA": str(tmp_path / "data"),
+        "RAG_QUESTIONS": "0",
+        "GENERATION": "0",
+        "PATH": "/usr/bin:/bin",
+    }
+    subprocess.run(["bash", str(ROOT / "recipes" / "wise.sh")], check=True, env=settings, cwd=ROOT)
+    wise = runs / "wise-0.25" / "adapter"
+    weights = load_file(str(wise / "adapter_model.safetensors"))["lora_A.weight"]
+    assert weights.dtype == torch.float32 and torch.equal(weights, torch.full((4, 8), 0.25))
+    meta = json.loads((wise / "unimae.json").read_text())
+    assert meta["trained_steps"] == 111 and [e["weight"] for e in meta["averaged_from"]] == [0.25, 0.75]
+    lines = calls.read_text().splitlines()
+    scored = [line.split("--label ")[1].split()[0] for line in lines if line.startswith("evaluate embeddings")]
+    assert scored[:2] == ["wise-0.25", "tuned"] and "start" not in scored  # START's row was given
+    assert "retrieval-eos" in scored and "retrieval-eos-d64" in scored and "retrieval-eos-d128" in scored
+    summary = next(line for line in lines if "--name summary-wise-0.25" in line)
+    assert summary.endswith("--labels wise-0.25 start=results/curve/step-80 tuned")
+    assert any(line.startswith(f"rotation --model gemma3-270m --adapter {wise}") for line in lines)
+    release = lines[-1]
+    assert (
+        release.startswith(f"release --adapter {wise} --name r")
+        and f"--train-log {tmp_path / 'tuned'}/log.jsonl" in release
+    )
+    assert release.endswith(f"TUNED={ends['tuned']} ALPHA=0.25 FINAL=1 bash recipes/wise.sh")
+    assert (tmp_path / "releases" / "r" / "adapter_model.safetensors").is_file()
