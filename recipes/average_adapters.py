@@ -5,7 +5,8 @@ arXiv:2203.05482; along one trajectory, SWA: Izmailov et al. 2018, arXiv:1803.05
     python recipes/average_adapters.py --output runs/gemma3-270m/wise FINETUNED START --weights 0.3 0.7
 
 Every tensor of ``adapter_model.safetensors`` is the mean of the inputs' (in fp32, written in the widest of their
-dtypes: fp32 where one input is, so that a release made from it is checked against the fp32 average).
+dtypes: fp32 where one input is; ``--dtype bfloat16`` writes a release's own weights, whose bf16 storage is checked
+against the fp32 average).
 With ``--weights`` it is the weighted mean ``sum_i w_i theta_i / sum_i w_i``: two inputs, a start and a model
 trained further from it, give WiSE-FT's interpolation ``(1 - a) theta_start + a theta_ft`` (Wortsman et al. 2022,
 arXiv:2109.01903), which trades what the further training gained against what it cost elsewhere.
@@ -54,13 +55,16 @@ def _lora_config(folder: Path) -> dict:
     return {**config, "target_modules": sorted(config.get("target_modules") or [])}
 
 
-def average(folders: list[Path], weights: list[float] | None = None) -> dict[str, torch.Tensor]:
-    """name -> mean tensor over the inputs' LoRA weights (weighted by ``weights``, normalised to sum 1)."""
+def average(
+    folders: list[Path], weights: list[float] | None = None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """name -> mean tensor over the inputs' LoRA weights (weighted by ``weights``, normalised to sum 1), in
+    ``dtype`` (None: the widest of the inputs')."""
     states = [load_file(str(f / WEIGHTS)) for f in folders]
     for folder, state in zip(folders[1:], states[1:], strict=True):
         if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in states[0].items()}:
             raise ValueError(f"{folder}'s tensors differ from {folders[0]}'s in names or shapes")
-    dtypes = {name: _widest(s[name].dtype for s in states) for name in states[0]}
+    dtypes = {name: dtype or _widest(s[name].dtype for s in states) for name in states[0]}
     if weights is None:  # the uniform soup, summed as it always was (the same bits as before --weights existed)
         return {
             name: (sum(s[name].float() for s in states) / len(states)).to(dtypes[name]).contiguous()
@@ -89,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="W",
         help="One positive weight per adapter, in their order (normalised to sum 1); default equal.",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["widest", "bfloat16", "float32"],
+        default="widest",
+        help="Dtype of the written weights: the widest of the inputs' (default), or this one.",
+    )
     args = parser.parse_args(argv)
     if len(args.adapters) < 2:
         parser.error("give at least 2 adapter folders")
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output.exists():
         parser.error(f"{args.output} exists; choose a new --output")
     meta = check_alike(args.adapters)
-    state = average(args.adapters, args.weights)
+    state = average(args.adapters, args.weights, None if args.dtype == "widest" else getattr(torch, args.dtype))
     meta["embedding"].pop("rotation", None)
     meta["averaged_from"] = [{"adapter": str(f), "revision": adapter_revision(f)} for f in args.adapters]
     if args.weights is not None:

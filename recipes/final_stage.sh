@@ -3,7 +3,8 @@
 # retrieval-eos in $OUT; a row of another adapter is set aside by the evaluation), the Matryoshka rotation and the
 # per-size rows, the summary beside the reference rows of $DEV, the index kinds, the RAG benchmark ($RAG_QUESTIONS;
 # 0 skips), the greedy-repetition check and the generation suites into $GEN_OUT ($GENERATION; 0 skips). Each step
-# skips what an earlier sitting finished. Reads MODEL, DATA, OUT, DEV, TASKS ("" skips the dev suite), MRL_DIMS.
+# skips what an earlier sitting finished. Reads MODEL, DATA, OUT, DEV, TASKS ("" skips the dev suite), MRL_DIMS,
+# REPETITION_LABEL (release: the row the repetition check writes).
 
 rotation_of() {  # adapter: its Matryoshka rotation (PCA of its embeddings of its own training pairs), once
   [ -n "$(json_field "$1/unimae.json" embedding rotation)" ] || $UNIMAE rotation --model "$MODEL" --adapter "$1" >&2
@@ -36,9 +37,10 @@ final_stage() {  # adapter
       --questions "$RAG_QUESTIONS" --output "$OUT/rag.json"
   fi
   if [ "$GENERATION" = 1 ]; then
-    $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "release=$final"  # own label: earlier rows stay
+    local label=${REPETITION_LABEL:-release}  # own label: earlier rows stay
+    $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --adapters none "$label=$final"
     $PYTHON benchmarks/greedy_repetition.py --model "$MODEL" --prompt-set wiki-heldout --prompts 64 --adapters none \
-      "release=$final"  # 64 held-out prompts: the paired difference from the base with its standard error
+      "$label=$final"  # 64 held-out prompts: the paired difference from the base with its standard error
     $UNIMAE evaluate generation --model "$MODEL" --adapter "$final" --data-dir "$DATA" --output-dir "$GEN_OUT"
     $UNIMAE evaluate generation --model "$MODEL" --data-dir "$DATA" --output-dir "results/generation-$SHORT/base-full-scorer"
   fi

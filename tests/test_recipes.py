@@ -693,7 +693,6 @@ def test_wise_recipe_averages_tuned_and_start_scores_the_ends_and_releases_the_a
         "FINAL": "1",
         "RUNS": str(runs),
         "WISE_OUT": str(tmp_path / "wise-out"),
-        "OUT": str(tmp_path / "out"),
         "RELEASES": str(tmp_path / "releases"),
         "RELEASE": "r",
         "UNIMAE_DATA": str(tmp_path / "data"),
@@ -703,21 +702,23 @@ def test_wise_recipe_averages_tuned_and_start_scores_the_ends_and_releases_the_a
     }
     subprocess.run(["bash", str(ROOT / "recipes" / "wise.sh")], check=True, env=settings, cwd=ROOT)
     wise = runs / "wise-0.25" / "adapter"
-    weights = load_file(str(wise / "adapter_model.safetensors"))["lora_A.weight"]
-    assert weights.dtype == torch.float32 and torch.equal(weights, torch.full((4, 8), 0.25))
+    for folder, dtype in ((wise, torch.bfloat16), (runs / "wise-0.25" / "adapter-fp32", torch.float32)):
+        weights = load_file(str(folder / "adapter_model.safetensors"))["lora_A.weight"]
+        assert weights.dtype == dtype and torch.equal(weights, torch.full((4, 8), 0.25, dtype=dtype))
     meta = json.loads((wise / "unimae.json").read_text())
     assert meta["trained_steps"] == 111 and [e["weight"] for e in meta["averaged_from"]] == [0.25, 0.75]
     lines = calls.read_text().splitlines()
     scored = [line.split("--label ")[1].split()[0] for line in lines if line.startswith("evaluate embeddings")]
-    assert scored[:2] == ["wise-0.25", "tuned"] and "start" not in scored  # START's row was given
+    assert scored[:3] == ["wise-0.25", "wise-0.25-fp32", "tuned"] and "start" not in scored  # START's was given
     assert "retrieval-eos" in scored and "retrieval-eos-d64" in scored and "retrieval-eos-d128" in scored
     summary = next(line for line in lines if "--name summary-wise-0.25" in line)
-    assert summary.endswith("--labels wise-0.25 start=results/curve/step-80 tuned")
+    assert summary.endswith("--labels wise-0.25 wise-0.25-fp32 start=results/curve/step-80 tuned")
     assert any(line.startswith(f"rotation --model gemma3-270m --adapter {wise}") for line in lines)
     release = lines[-1]
     assert (
         release.startswith(f"release --adapter {wise} --name r")
         and f"--train-log {tmp_path / 'tuned'}/log.jsonl" in release
     )
-    assert release.endswith(f"TUNED={ends['tuned']} ALPHA=0.25 FINAL=1 bash recipes/wise.sh")
+    assert release.endswith(f"TUNED={ends['tuned']} ALPHA=0.25 NAME=wise-0.25 FINAL=1 bash recipes/wise.sh")
+    assert f"--dev-results {tmp_path / 'wise-out'}/retrieval-eos" in release  # the release's own rows stay
     assert (tmp_path / "releases" / "r" / "adapter_model.safetensors").is_file()
