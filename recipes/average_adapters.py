@@ -65,16 +65,20 @@ def average(
         if {k: v.shape for k, v in state.items()} != {k: v.shape for k, v in states[0].items()}:
             raise ValueError(f"{folder}'s tensors differ from {folders[0]}'s in names or shapes")
     dtypes = {name: dtype or _widest(s[name].dtype for s in states) for name in states[0]}
-    if weights is None:  # the uniform soup, summed as it always was (the same bits as before --weights existed)
-        return {
-            name: (sum(s[name].float() for s in states) / len(states)).to(dtypes[name]).contiguous()
-            for name in states[0]
-        }
-    shares = [w / sum(weights) for w in weights]
-    return {
-        name: sum(w * s[name].float() for w, s in zip(shares, states, strict=True)).to(dtypes[name]).contiguous()
-        for name in states[0]
-    }
+    share = None if weights is None else shares(weights)
+
+    def mean(name: str) -> torch.Tensor:
+        tensors = [s[name].float() for s in states]
+        if share is None:  # the uniform soup, summed as it always was (the same bits as before --weights existed)
+            return sum(tensors) / len(tensors)
+        return sum(w * t for w, t in zip(share, tensors, strict=True))
+
+    return {name: mean(name).to(dtypes[name]).contiguous() for name in states[0]}
+
+
+def shares(weights: list[float]) -> list[float]:
+    """The weights normalised to sum 1."""
+    return [w / sum(weights) for w in weights]
 
 
 def _widest(dtypes) -> torch.dtype:
@@ -113,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["embedding"].pop("rotation", None)
     meta["averaged_from"] = [{"adapter": str(f), "revision": adapter_revision(f)} for f in args.adapters]
     if args.weights is not None:
-        for entry, weight in zip(meta["averaged_from"], args.weights, strict=True):
-            entry["weight"] = weight / sum(args.weights)
+        for entry, weight in zip(meta["averaged_from"], shares(args.weights), strict=True):
+            entry["weight"] = weight
     partial = args.output.with_name(f".{args.output.name}.partial")
     remove(partial)
     partial.mkdir(parents=True)
