@@ -90,4 +90,4 @@ $UNIMAE release --adapter "$wise" --name "$RELEASE" --root "$RELEASES" --dev-res
   --repetition "results/generation-$SHORT/greedy-repetition.json" \
   --repetition "results/generation-$SHORT/greedy-repetition-wiki-heldout.json" \
   --train-log "$tuned_run/log.jsonl" \
-  --command "${TUNED_COMMAND:+$TUNED_COMMAND \&\& }MODEL=$MODEL START=$START TUNED=$TUNED ALPHA=$ALPHA NAME=$NAME FINAL=1 bash recipes/wise.sh"
+  --command "${TUNED_COMMAND:+$TUNED_COMMAND && }MODEL=$MODEL START=$START TUNED=$TUNED ALPHA=$ALPHA NAME=$NAME FINAL=1 bash recipes/wise.sh"

@@ -691,6 +691,7 @@ def test_wise_recipe_averages_tuned_and_start_scores_the_ends_and_releases_the_a
         "ALPHA": "0.25",
         "START_ROW": "results/curve/step-80",
         "FINAL": "1",
+        "TUNED_COMMAND": "DISTILL_WEIGHT=4 bash recipes/retrieval.sh",
         "RUNS": str(runs),
         "WISE_OUT": str(tmp_path / "wise-out"),
         "RELEASES": str(tmp_path / "releases"),
@@ -720,5 +721,6 @@ def test_wise_recipe_averages_tuned_and_start_scores_the_ends_and_releases_the_a
         and f"--train-log {tmp_path / 'tuned'}/log.jsonl" in release
     )
     assert release.endswith(f"TUNED={ends['tuned']} ALPHA=0.25 NAME=wise-0.25 FINAL=1 bash recipes/wise.sh")
+    assert "--command DISTILL_WEIGHT=4 bash recipes/retrieval.sh && MODEL=gemma3-270m START=" in release
     assert f"--dev-results {tmp_path / 'wise-out'}/retrieval-eos" in release  # the release's own rows stay
     assert (tmp_path / "releases" / "r" / "adapter_model.safetensors").is_file()

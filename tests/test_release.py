@@ -273,6 +273,32 @@ def test_a_card_skips_a_cut_off_training_log_line_and_names_a_bad_result_file(tm
         _main_score({"task_name": "STS17", "scores": {"test": []}})
 
 
+def test_a_release_of_an_adapter_stored_in_bf16_says_its_scores_are_of_the_shipped_values(adapter, tmp_path):
+    """An averaged adapter written in bf16 (recipes/wise.sh) is scored before its release: its rows are of the
+    values the release ships, not of an fp32 adapter rounded later; the card says so, now and at --card-only."""
+    from safetensors.torch import save_file
+
+    from unimae.release import source_dtype, source_revision
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(adapter, bf16)
+    weights = load_file(bf16 / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, bf16 / "adapter_model.safetensors")
+    assert (source_dtype(adapter), source_dtype(bf16)) == ("float32", "bfloat16")
+    dev = tmp_path / "dev"
+    _task_result(dev, "STS17")
+    (dev / "run.json").write_text(json.dumps({"revision": source_revision(bf16)}))
+    root = tmp_path / "releases"
+    common = ["--name", "tiny-retriever", "--root", str(root), "--dev-results", str(dev)]
+    assert main(["release", "--adapter", str(bf16), *common]) == 0
+    assert adapter_meta(root / "tiny-retriever").release.source_dtype == "bfloat16"
+    for _ in range(2):  # the release, then its card rewritten from the release alone
+        card = (root / "tiny-retriever" / "README.md").read_text()
+        assert "which stores its LoRA weights in bf16: the values shipped here" in card
+        assert "rounded to bf16" not in card
+        assert main(["release", "--card-only", *common]) == 0
+
+
 def test_an_index_opens_with_its_release_by_name(tiny_model_dirs, adapter, tmp_path, monkeypatch):
     from unimae.adapter import adapter_revision
     from unimae.retrieval.index import VectorIndex

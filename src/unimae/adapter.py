@@ -96,11 +96,13 @@ class ReleaseInfo:
 
     name: str = ""
     weights_dtype: str = ""
-    source_revision: str = ""  # adapter_revision of the fp32 adapter it was made from
+    source_revision: str = ""  # adapter_revision of the adapter it was made from
     training: TrainingTime | None = None  # its steps' wall time (None: a release made before it was recorded)
+    source_dtype: str = ""  # how that adapter stored its LoRA weights ("": not recorded, an fp32 one)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"name": self.name, "weights_dtype": self.weights_dtype, "source_revision": self.source_revision}
+        out |= {"source_dtype": self.source_dtype} if self.source_dtype else {}
         return {**out, "training": self.training.to_dict()} if self.training else out
 
 

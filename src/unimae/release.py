@@ -129,7 +129,7 @@ def make_release(
     save_file(weights, partial / "adapter_model.safetensors", metadata=metadata)
     _keep_unchanged_weights(out / "adapter_model.safetensors", partial / "adapter_model.safetensors")
     shutil.copy2(source / "adapter_config.json", partial / "adapter_config.json")
-    release = ReleaseInfo(name, "bfloat16", source_revision(source), training)
+    release = ReleaseInfo(name, "bfloat16", source_revision(source), training, source_dtype(source))
     write_adapter_meta(partial, dataclasses.replace(meta, release=release))
     atomic_write_text(partial / "README.md", card)
     replace_folder(partial, out)
@@ -176,6 +176,19 @@ def source_revision(adapter: str | Path) -> str:
     from a release (bf16 -> bf16: the same weights), the one that release was made from."""
     meta = adapter_meta(adapter)
     return meta.release.source_revision if meta.release else adapter_revision(adapter)
+
+
+def source_dtype(adapter: str | Path) -> str:
+    """How the trained adapter a release is made from stores its LoRA weights ('float32', 'bfloat16'): read from
+    its weights file, or, for a release made again from a release, the one recorded there ('' before it was)."""
+    from safetensors import safe_open
+
+    meta = adapter_meta(adapter)
+    if meta.release:
+        return meta.release.source_dtype
+    with safe_open(Path(adapter) / "adapter_model.safetensors", framework="pt") as handle:
+        dtypes = {str(handle.get_slice(name).get_dtype()) for name in handle.keys()}
+    return {"F32": "float32", "BF16": "bfloat16"}.get(dtypes.pop(), "") if len(dtypes) == 1 else ""
 
 
 def release_revisions(adapter: str | Path) -> tuple[str, ...]:

@@ -78,6 +78,9 @@ class CardInputs:
     extra_tables: list[Path] = field(default_factory=list)  # summary JSONs (dimensions, index kinds) to show
     train_logs: list[Path] = field(default_factory=list)  # log.jsonl of each sitting of the training run
     command: str = ""  # the recipe command that trained it
+    source_dtype: str = (
+        ""  # how the adapter it is made from stores its LoRA weights ("": fp32, as before it was recorded)
+    )
 
 
 _NO_CPU = "CPU not recorded"
@@ -312,13 +315,19 @@ def _own(path: Path | None, revision: Revision) -> dict | None:
 
 
 def _scored_weights_line(inputs: CardInputs, revision: Revision) -> str:
-    """Which weights the dev table scored: the bf16 ones shipped here (the last of a release's revisions) or the
-    fp32 adapter the release was made from; '' where no revision is known."""
+    """Which weights the dev table scored: the bf16 ones shipped here (the last of a release's revisions, or the
+    adapter it was made from where that one stored them in bf16 already) or the fp32 adapter the release was made
+    from; '' where no revision is known."""
     scored = _run_record(inputs.dev_results).get("revision")
     if not isinstance(revision, tuple) or not scored:
         return ""
     if len(revision) > 1 and scored == revision[-1]:
         return f"Scored on the bf16 weights shipped here (revision {scored}).\n"
+    if inputs.source_dtype == "bfloat16":
+        return (
+            f"Scored on the adapter this release was made from (revision {scored}), which stores its LoRA weights in "
+            "bf16: the values shipped here.\n"
+        )
     return (
         f"Scored on the fp32 adapter this release was made from (revision {scored}); the weights shipped here are "
         "its LoRA weights rounded to bf16.\n"

@@ -41,6 +41,7 @@ def _release(args: argparse.Namespace) -> int:
         record_training,
         release_meta,
         release_revisions,
+        source_dtype,
     )
     from unimae.release_card import CardInputs, build_card, training_time
 
@@ -62,6 +63,7 @@ def _release(args: argparse.Namespace) -> int:
     )
     if args.card_only:
         meta = release_meta(inputs.release)
+        inputs.source_dtype = source_dtype(inputs.release)
         card = build_card(inputs, meta, release_revisions(inputs.release))
         atomic_write_text(inputs.release / "README.md", card)
         record_training(inputs.release, training_time(inputs, meta))  # known now: later cards need no logs
@@ -72,6 +74,7 @@ def _release(args: argparse.Namespace) -> int:
     from unimae.adapter import adapter_meta
 
     meta = adapter_meta(args.adapter)
+    inputs.source_dtype = source_dtype(args.adapter)
     card = build_card(inputs, meta, release_revisions(args.adapter))
     out = make_release(args.adapter, args.name, root, card=card, training=training_time(inputs, meta))
     print(f"wrote release {out}")
