@@ -18,7 +18,10 @@ folder's enwiki-gensim held-out split, evenly spaced through it), text that no t
 
 Deterministic (greedy), so one run per setup. Writes ``--output`` (default
 ``results/generation-<model short name>/greedy-repetition.json`` for ``plain``,
-``greedy-repetition-wiki-heldout.json`` for the other set), one entry per label, other labels kept.
+``greedy-repetition-wiki-heldout.json`` for the other set), one entry per label, other labels kept. Greedy
+continuations differ between CPUs (their bf16 kernels round differently), so a base row run again elsewhere can
+differ from the one earlier rows were paired with: that one is then kept as ``base@<its CPU>`` and those rows'
+``vs_base`` name it (``paired_with``), so no paired difference is read against a base it was not computed from.
 
     python benchmarks/greedy_repetition.py --model gemma3-270m --adapters none \\
         unimae=runs/gemma3-270m/unimae-p0.5/adapter retrieval=runs/gemma3-270m/unimae-p0.5-simcse-sup/adapter
@@ -35,7 +38,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from unimae.adapter import adapter_revision
-from unimae.files import update_json
+from unimae.files import read_json, update_json
 from unimae.release import resolve_adapter
 from unimae.runtime.memory import cpu_model
 
@@ -117,6 +120,23 @@ def versus_base(result: dict, base: dict) -> dict:
     }
 
 
+def keep_earlier_base(previous: dict, update: dict) -> dict:
+    """Entries to write beside ``update`` so that rows of ``previous`` (the output file's) stay paired with the base
+    they were compared with: when ``update`` replaces a ``base`` row whose continuations differ, the old one as
+    ``base@<its CPU>`` and each kept row's ``vs_base`` naming it in ``paired_with``; nothing otherwise."""
+    old, new = previous.get("base"), update.get("base")
+    if not (isinstance(old, dict) and new) or old.get("continuations") == new.get("continuations"):
+        return {}
+    key = f"base@{old.get('cpu_model') or 'unknown CPU'}"
+    while key in previous and previous[key] != old:  # an earlier kept base of that CPU stays too
+        key += "'"
+    kept = {key: old}
+    for label, row in previous.items():
+        if label not in update and isinstance(row, dict) and "vs_base" in row and "paired_with" not in row["vs_base"]:
+            kept[label] = {**row, "vs_base": {**row["vs_base"], "paired_with": key}}
+    return kept
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -150,7 +170,8 @@ def main() -> None:
             f"{result['repeated_trigrams']:.3f} | {next(iter(result['continuations'].values()))[:70]!r}",
             flush=True,
         )
-    update_json(output, update)
+    previous = read_json(output, "repetition result") if output.is_file() else {}
+    update_json(output, {**update, **keep_earlier_base(previous, update)})
     print(f"wrote {output}")
 
 

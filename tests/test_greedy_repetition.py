@@ -37,3 +37,18 @@ def test_an_adapter_is_compared_with_the_base_prompt_by_prompt(bench):
 
 def test_the_plain_prompt_set_is_the_fixed_eight(bench):
     assert bench.prompt_set("plain", 64, 8) == bench.PROMPTS and len(bench.PROMPTS) == 8
+
+
+def test_a_base_run_again_with_other_continuations_keeps_the_one_earlier_rows_were_paired_with(bench):
+    old_base = {"cpu_model": "AMD EPYC", "continuations": {"p": "a b c"}}
+    previous = {"base": old_base, "release": {"vs_base": {"repeated_trigrams_diff": -0.1}}, "note": "x"}
+    new_base = {"cpu_model": "Intel Xeon", "continuations": {"p": "a b d"}}
+    kept = bench.keep_earlier_base(previous, {"base": new_base, "wise": {"vs_base": {}}})
+    assert kept == {
+        "base@AMD EPYC": old_base,
+        "release": {"vs_base": {"repeated_trigrams_diff": -0.1, "paired_with": "base@AMD EPYC"}},
+    }
+    again = {**previous, "base@AMD EPYC": {"continuations": {"p": "z"}}}  # a base kept from an even earlier run
+    assert "base@AMD EPYC'" in bench.keep_earlier_base(again, {"base": new_base})
+    assert bench.keep_earlier_base(previous, {"base": dict(old_base)}) == {}  # the same continuations: one base
+    assert bench.keep_earlier_base(previous, {"release": {}}) == {}  # no base run: nothing to keep

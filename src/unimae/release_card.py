@@ -78,9 +78,7 @@ class CardInputs:
     extra_tables: list[Path] = field(default_factory=list)  # summary JSONs (dimensions, index kinds) to show
     train_logs: list[Path] = field(default_factory=list)  # log.jsonl of each sitting of the training run
     command: str = ""  # the recipe command that trained it
-    source_dtype: str = (
-        ""  # how the adapter it is made from stores its LoRA weights ("": fp32, as before it was recorded)
-    )
+    source_dtype: str = ""  # how the adapter it is made from stores its LoRA weights ("": fp32, not recorded)
 
 
 _NO_CPU = "CPU not recorded"
