@@ -32,6 +32,8 @@
 # the decay; DISTILL_WEIGHT=W (default 0: off) adds in-batch distillation from TEACHER to the cooldown's steps
 # (`--distill-teacher TEACHER --distill-weight W`; TEACHER defaults to all-mpnet-base-v2 from recipes/get_teacher.sh):
 # `COOLDOWN=31 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4` continues the best point 31 steps with distillation.
+# DISTILL_LOSS=similarity distills the teacher's cosine of every pair of the batch's texts instead of each query's
+# softmax (`--distill-loss similarity`; its weight is on another scale: benchmarks/distill_balance.py).
 # A constant-rate cooldown lengthens: a later sitting with a larger COOLDOWN (the same other settings) resumes its
 # checkpoints up to the new end (as one longer cooldown would have gone; on a fresh machine, where they are gone,
 # it continues the released cooldown: its bf16 weights, Adam restarted, the card still counting the distilled steps
@@ -45,7 +47,7 @@
 # SUP_BATCH (256), SUP_CHUNK (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt), TEMPERATURE,
 # SUP_FLAGS (more flags), CURVE_EVERY (80), CURVE_MAX_LENGTH (256), STOP_EARLY (1), TASKS (dev; "" skips the
 # evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release),
-# COOLDOWN (0), COOLDOWN_SCHEDULE (linear), DISTILL_WEIGHT (0), TEACHER. The release card's command repeats MODEL and
+# COOLDOWN (0), COOLDOWN_SCHEDULE (linear), DISTILL_WEIGHT (0), DISTILL_LOSS (listwise), TEACHER. The release card's command repeats MODEL and
 # each of the training and curve settings the caller set (the cooldown's: read from the released adapter).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the recipe too
@@ -85,6 +87,7 @@ RELEASE_ONLY=${RELEASE_ONLY:-0}
 COOLDOWN=${COOLDOWN:-0}
 COOLDOWN_SCHEDULE=${COOLDOWN_SCHEDULE:-linear}
 DISTILL_WEIGHT=${DISTILL_WEIGHT:-0}
+DISTILL_LOSS=${DISTILL_LOSS:-listwise}
 TEACHER=${TEACHER:-}
 case $COOLDOWN_SCHEDULE in
   linear | constant) ;;
@@ -238,7 +241,7 @@ cooled_from() {  # adapter: the step a cooldown of it started at: its decay's st
 }
 
 cooldown_settings() {  # adapter steps: the recipe settings that made that cooldown adapter, for the card's command
-  local from weight teacher settings
+  local from weight teacher loss settings
   from=$(cooled_from "$1")
   settings="COOLDOWN=$(($2 - from))"
   [ -n "$(decay_from "$1")" ] || settings+=" COOLDOWN_SCHEDULE=constant"
@@ -246,6 +249,8 @@ cooldown_settings() {  # adapter steps: the recipe settings that made that coold
   if [ -n "$teacher" ]; then
     weight=$(json_field "$1/unimae.json" training_config options distill_weight)
     settings+=" DISTILL_WEIGHT=${weight%.0}"
+    loss=$(json_field "$1/unimae.json" training_config options distill_loss)
+    [ "${loss:-listwise}" = listwise ] || settings+=" DISTILL_LOSS=$loss"
     [ "${teacher##*/}" = "$(basename "$(default_teacher)")" ] || settings+=" TEACHER=$(printf '%q' "$teacher")"
   fi
   echo "$settings"
@@ -261,6 +266,7 @@ cooldown_flags() {  # best: the cooldown's own training flags (its schedule, its
   if [ "$DISTILL_WEIGHT" != 0 ]; then
     [ -n "$TEACHER" ] || TEACHER=$(bash "$(dirname "$0")/get_teacher.sh")
     cool_flags+=(--distill-teacher "$TEACHER" --distill-weight "$DISTILL_WEIGHT")
+    [ "$DISTILL_LOSS" = listwise ] || cool_flags+=(--distill-loss "$DISTILL_LOSS")
   fi
 }
 

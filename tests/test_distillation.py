@@ -1,5 +1,6 @@
-"""In-batch distillation from a teacher embedding model (--distill-teacher): the KL term, its batch targets, the
-gradient cache with it, its checks, and a training run with a tiny sentence-transformers teacher."""
+"""In-batch distillation from a teacher embedding model (--distill-teacher): the KL term and the similarity term
+(--distill-loss), their batch targets, the gradient cache with them, their checks, and a training run with a tiny
+sentence-transformers teacher."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from conftest import read_log
 from test_contrastive import _config, _grads, _method, _records, _write
 
-from unimae.losses.distillation import in_batch_distillation
+from unimae.losses.distillation import in_batch_distillation, similarity_distillation
 from unimae.losses.info_nce import info_nce
 from unimae.models import load_model
 from unimae.training.teacher import Teacher, load_teacher
@@ -61,6 +62,62 @@ def test_excluded_candidates_leave_both_distributions():
 def test_teacher_scores_of_another_shape_are_refused():
     with pytest.raises(ValueError, match="teacher scores .* do not match"):
         in_batch_distillation(torch.randn(3, 4), torch.randn(5, 4), torch.rand(3, 4))
+
+
+def test_the_similarity_term_is_the_mean_squared_gap_of_the_off_diagonal_cosines():
+    torch.manual_seed(2)
+    z = torch.randn(5, 8)
+    own = _student_cosines(z, z)
+    assert float(similarity_distillation(z, own)) == pytest.approx(0.0, abs=1e-10)
+    teacher = own.clone()
+    teacher.fill_diagonal_(0.3)  # the diagonal is left out
+    assert float(similarity_distillation(z, teacher)) == pytest.approx(0.0, abs=1e-10)
+    teacher[1, 3] = teacher[3, 1] = own[1, 3] + 0.5
+    assert float(similarity_distillation(z, teacher)) == pytest.approx(2 * 0.25 / 20)  # 2 of the 5 x 4 entries
+    with pytest.raises(ValueError, match="teacher similarities .* do not match"):
+        similarity_distillation(z, torch.rand(5, 4))
+
+
+def test_the_batch_carries_the_teachers_cosines_of_every_pair_for_the_similarity_term(tiny_model_dirs):
+    _, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    method = _method(tokenizer, distill_teacher="stand-in", distill_loss="similarity", query_prompt="Query: ")
+    method.__dict__["teacher"] = Teacher(_hash_encode)
+    records = _records(6)
+    batch = method.collate(records, list(range(6)))
+    texts = [r["query"] for r in records] + [r["positive"] for r in records]
+    texts += [r["negative"] for r in records if r.get("negative")]  # the batch's row order, without prompts
+    z = F.normalize(_hash_encode(texts), dim=-1)
+    assert "teacher_scores" not in batch and batch["input_ids"].shape[0] == 15
+    torch.testing.assert_close(batch["teacher_similarities"], z @ z.T)
+
+
+def test_the_similarity_term_is_weighted_into_the_loss_and_the_grad_cache_keeps_its_gradient(tiny_model_dirs):
+    model, tokenizer, _ = load_model(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    model.train()
+    options = dict(distill_teacher="stand-in", distill_weight=20.0, distill_loss="similarity")
+    method = _method(tokenizer, **options)
+    method.__dict__["teacher"] = Teacher(_hash_encode)
+    batch = method.collate(_records(6), list(range(6)))
+    plain = method.build_objective(model)
+    with torch.no_grad():
+        z = plain.embed(batch)
+    sim = similarity_distillation(z, batch["teacher_similarities"])
+    losses = plain(batch)
+    assert float(sim) > 0
+    nce = info_nce(z[:6], z[6:], 0.05, exclude=batch.get("false_negatives"))
+    assert float(losses["loss"].detach()) == pytest.approx(float(nce + 20.0 * sim), rel=1e-5)
+    assert float(losses["distill"]) == pytest.approx(float(sim), rel=1e-5)
+    losses["loss"].backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    cached = _method(tokenizer, grad_cache_chunk=4, **options).build_objective(model)
+    cached(batch)["loss"].backward()
+    got = _grads(model)
+    assert got.keys() == expected.keys() and len(got) > 0
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
+    with pytest.raises(KeyError, match="teacher_similarities"):
+        plain({k: v for k, v in batch.items() if k != "teacher_similarities"})
 
 
 def test_the_batch_carries_the_teachers_cosines_of_the_raw_texts(tiny_model_dirs):

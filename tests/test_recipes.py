@@ -142,6 +142,7 @@ if args[0] == "train":
     schedule = {{"lr_schedule": opt("--lr-schedule") or "constant", "lr_decay_from": int(opt("--lr-decay-from") or 0)}}
     teacher, weight = opt("--distill-teacher") or "", float(opt("--distill-weight") or 1)
     distill = {{"distill_teacher": teacher, "distill_weight": weight}}
+    distill["distill_loss"] = opt("--distill-loss") or "listwise"
     config = {{"options": {{**schedule, **distill}}}}
     meta = {{"trained_steps": steps, "embedding": {{}}, "training_config": config}}
     if opt("--continue-adapter"):
@@ -381,6 +382,21 @@ def test_retrieval_recipe_distilled_cooldown_at_a_constant_rate_becomes_the_rele
     again = _retrieval_calls(tmp_path, _stand_ins(tmp_path, {}))  # none of the settings: the decision holds
     assert not any(line.startswith("train") for line in again) and again[-1].startswith(f"release --adapter {cool}")
     assert "COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=4 " in again[-1]
+
+
+def test_retrieval_recipe_distilled_cooldown_with_the_similarity_loss_passes_it_and_names_it(tmp_path):
+    """DISTILL_LOSS=similarity: the cooldown trains with `--distill-loss similarity`, and the release card's
+    command names it (read from the cooldown's adapter), as it names the weight."""
+    averages = {"step-80": 60.0, "step-160": 62.0, "step-240": 61.0, "cooldown-step-200": 63.0}
+    settings = {"COOLDOWN": "40", "COOLDOWN_SCHEDULE": "constant", "DISTILL_WEIGHT": "50", "TEACHER": "/t"}
+    lines = _retrieval_calls(tmp_path, {**_stand_ins(tmp_path, averages), **settings, "DISTILL_LOSS": "similarity"})
+    trains = [line for line in lines if line.startswith("train")]
+    assert "--distill-teacher /t --distill-weight 50 --distill-loss similarity --steps 200" in trains[-1]
+    release = [line for line in lines if line.startswith("release")][-1]
+    assert (
+        "--command COOLDOWN=40 COOLDOWN_SCHEDULE=constant DISTILL_WEIGHT=50 DISTILL_LOSS=similarity TEACHER=/t"
+        in release
+    )
 
 
 DISTILL = {"COOLDOWN_SCHEDULE": "constant", "DISTILL_WEIGHT": "4", "TEACHER": "/t"}

@@ -188,6 +188,10 @@ def test_a_card_names_the_distillation_teacher_of_the_steps_that_had_one(adapter
     longer = build_card(CardInputs("r", tmp_path, dev), lengthened)
     assert "Distillation: the 71 steps after step 200 also matched" in longer
     assert "`all-mpnet-base-v2` (`--distill-weight 4`, temperature 0.05; licence: Apache-2.0)" in card
+    similarity = {"batch_size": 256, "options": {**options, "distill_loss": "similarity", "distill_weight": 50.0}}
+    matched = build_card(CardInputs("r", tmp_path, dev), dataclasses.replace(meta, training_config=similarity))
+    assert "matched the cosines of every pair of a batch's texts of the sentence-transformers model" in matched
+    assert "(`--distill-loss similarity --distill-weight 50`; licence: Apache-2.0)" in matched
     plain = build_card(CardInputs("r", tmp_path, dev), dataclasses.replace(meta, training_config={"batch_size": 256}))
     assert "Distillation" not in plain
     assert "Weight averaging" not in plain

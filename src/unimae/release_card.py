@@ -474,11 +474,20 @@ def _distillation(config: dict, meta: AdapterMeta) -> str:
     name = reference_label(str(teacher))
     start = meta.distill_start
     steps = f"the {meta.trained_steps - start} steps after step {start}" if start else "every step"
+    if config.get("distill_loss") == "similarity":
+        detail, flags = (
+            "cosines of every pair of a batch's texts",
+            f"`--distill-loss similarity --distill-weight {weight:g}`",
+        )
+    else:
+        detail, flags = (
+            "in-batch similarities",
+            f"`--distill-weight {weight:g}`, temperature {config.get('distill_temperature')}",
+        )
     return (
-        f"- Distillation: {steps} also matched the in-batch "
-        f"similarities of the sentence-transformers model `{name}` (`--distill-weight {weight:g}`, temperature "
-        f"{config.get('distill_temperature')}; licence: {TEACHER_LICENCES.get(name, 'see its model card')}), so "
-        "part of the scores comes from that teacher and the data it was trained on.\n"
+        f"- Distillation: {steps} also matched the {detail} of the sentence-transformers model `{name}` ({flags}; "
+        f"licence: {TEACHER_LICENCES.get(name, 'see its model card')}), so part of the scores comes from that teacher "
+        "and the data it was trained on.\n"
     )
 
 

@@ -1,4 +1,5 @@
-"""In-batch distillation: the student's softmax over a batch's candidates matches a teacher's.
+"""In-batch distillation: the student's softmax over a batch's candidates matches a teacher's (listwise), or its
+cosines of every pair of the batch's texts do (:func:`similarity_distillation`).
 
 ``L_KD = 1/B sum_i KL(p_i^T || p_i^S)``, with ``p_i^S = softmax_j(cos(a_i, c_j) / tau)`` the student's InfoNCE
 distribution of query i over the batch's candidates (its positive, the other positives, the hard negatives) and
@@ -43,3 +44,26 @@ def in_batch_distillation(
         student, teacher = student.masked_fill(drop, MASKED), teacher.masked_fill(drop, MASKED)
     log_s, log_t = F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1)  # (B, N)
     return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean")
+
+
+def similarity_distillation(z: torch.Tensor, teacher_similarities: torch.Tensor) -> torch.Tensor:
+    """z (M, D) embeddings of all a batch's texts, teacher_similarities (M, M) the teacher's cosines of the same
+    texts -> scalar ``L_SIM``.
+
+    ``L_SIM = 1/(M(M-1)) sum_{i != j} (cos(z_i, z_j) - t_ij)^2``: the student's cosine matrix of the whole batch
+    (queries, positives and hard negatives, each against every other text) matches the teacher's, entry by entry.
+    This is the similarity loss of Jasper and Stella (Zhang et al. 2024, arXiv:2412.19048, Sec. 2.2), the
+    similarity-preserving distillation of Tung & Mori (2019, arXiv:1907.09682) on cosines: where the listwise KL
+    asks each query to rank the candidates as the teacher does at a sharp temperature, this asks every pair of texts
+    for the teacher's graded similarity itself, including the pairs of unrelated texts that InfoNCE only pushes
+    apart. The diagonal (1 on both sides) is left out."""
+    m = z.shape[0]
+    if teacher_similarities.shape != (m, m):
+        raise ValueError(
+            f"teacher similarities {tuple(teacher_similarities.shape)} do not match the batch: ({m}, {m}) expected "
+            "(every text against every text)"
+        )
+    u = F.normalize(z.float(), dim=-1)  # (M, D)
+    diff = u @ u.T - teacher_similarities.to(u.device).float()  # (M, M)
+    off = ~torch.eye(m, dtype=torch.bool, device=u.device)  # (M, M)
+    return diff[off].pow(2).mean()

@@ -13,7 +13,7 @@ from torch import nn
 
 from unimae.embedding.pooling import last_hidden, pool
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.distillation import in_batch_distillation
+from unimae.losses.distillation import in_batch_distillation, similarity_distillation
 from unimae.losses.info_nce import info_nce
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
@@ -45,7 +45,9 @@ class ContrastiveObjective(Objective):
     on the full vector: the batch then carries ``teacher_scores`` (B, B + K), a teacher's cosines of the same
     queries and candidates, softened by ``teacher_temperature``. Part of :meth:`loss`, so the gradient cache
     computes it as it does InfoNCE; the log's ``"contrastive"`` is InfoNCE + that term, and its ``"distill"`` is
-    L_KD alone (unweighted).
+    L_KD alone (unweighted). ``distill_loss="similarity"`` takes ``distill_weight x L_SIM``
+    (:func:`~unimae.losses.distillation.similarity_distillation`) instead, from ``teacher_similarities``
+    (2B + K, 2B + K): the teacher's cosines of every pair of the batch's texts.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class ContrastiveObjective(Objective):
         matryoshka_dims: tuple[int, ...] = (),
         distill_weight: float = 0.0,
         teacher_temperature: float = 0.05,
+        distill_loss: str = "listwise",
     ):
         super().__init__(llm)
         self.temperature, self.attention, self.symmetric = temperature, attention, symmetric
@@ -70,6 +73,9 @@ class ContrastiveObjective(Objective):
             raise ValueError(f"--matryoshka-dims {list(matryoshka_dims)}: each must be at most the model's size {full}")
         self.dims = tuple(sorted({*matryoshka_dims, full}))  # M: the prefix sizes, the full vector last
         self.distill_weight, self.teacher_temperature = distill_weight, teacher_temperature
+        if distill_loss not in ("listwise", "similarity"):
+            raise ValueError(f"distill_loss must be 'listwise' or 'similarity', got {distill_loss!r}")
+        self.distill_loss = distill_loss
 
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:
         """Pooled embeddings z (2B + K, D) of ``batch``'s rows -> the InfoNCE loss (summed over ``self.dims``),
@@ -88,14 +94,22 @@ class ContrastiveObjective(Objective):
         ]
         logged = {}
         if self.distill_weight:
-            if "teacher_scores" not in batch:
-                raise KeyError("distill_weight > 0 needs the batch's teacher_scores (--distill-teacher)")
-            kd = in_batch_distillation(
-                z[:b], z[b:], batch["teacher_scores"], self.temperature, self.teacher_temperature, exclude=exclude
-            )
+            kd = self._distillation(z, batch, b, exclude)
             losses.append(self.distill_weight * kd)
             logged["distill"] = kd.detach()
         return (losses[0] if len(losses) == 1 else torch.stack(losses).sum()), logged
+
+    def _distillation(self, z: torch.Tensor, batch, b: int, exclude) -> torch.Tensor:
+        """The unweighted distillation term of z (2B + K, D): L_KD over the queries' candidates, or L_SIM over every
+        pair of texts (``distill_loss``)."""
+        key = "teacher_similarities" if self.distill_loss == "similarity" else "teacher_scores"
+        if key not in batch:
+            raise KeyError(f"distill_weight > 0 needs the batch's {key} (--distill-teacher)")
+        if self.distill_loss == "similarity":
+            return similarity_distillation(z, batch[key])
+        return in_batch_distillation(
+            z[:b], z[b:], batch[key], self.temperature, self.teacher_temperature, exclude=exclude
+        )
 
     def embed(self, batch, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Pooled embeddings (len(rows), D) of some rows of ``batch``."""

@@ -20,7 +20,8 @@ Encode = Callable[[list[str]], torch.Tensor]  # texts -> (len(texts), D) embeddi
 
 
 class Teacher:
-    """``scores(queries, candidates)`` -> (B, N) cosine similarities, from ``encode`` (texts -> embeddings)."""
+    """``scores(queries, candidates)`` -> (B, N) and ``similarities(texts)`` -> (M, M) cosine similarities, from
+    ``encode`` (texts -> embeddings)."""
 
     def __init__(self, encode: Encode):
         self.encode = encode
@@ -30,6 +31,12 @@ class Teacher:
         z = F.normalize(self.encode([*queries, *candidates]).float(), dim=-1)  # (B + N, D)
         b = len(queries)
         return z[:b] @ z[b:].T  # (B, N)
+
+    @torch.no_grad()
+    def similarities(self, texts: Sequence[str]) -> torch.Tensor:
+        """(M, M) cosine similarities of every text with every other (``--distill-loss similarity``)."""
+        z = F.normalize(self.encode(list(texts)).float(), dim=-1)  # (M, D)
+        return z @ z.T
 
 
 def load_teacher(name: str, max_length: int, device: str | torch.device = "cpu") -> Teacher:

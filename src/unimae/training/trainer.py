@@ -180,7 +180,7 @@ _RESUME_MAY_CHANGE = {
 # how many texts it reads.
 _CONTINUE_MAY_CHANGE = _RESUME_MAY_CHANGE | {
     "continue_adapter", "init_adapter", "init_lora", "lr", "lr_schedule", "lr_decay_from",
-    "distill_teacher", "distill_weight", "distill_temperature", "lm_weight", "lm_data",
+    "distill_teacher", "distill_weight", "distill_temperature", "distill_loss", "lm_weight", "lm_data",
 }  # fmt: skip
 
 
@@ -586,7 +586,7 @@ def _continued_facts(config: TrainConfig, resumed: bool) -> dict | None:
 
 
 def _distill_from(config: TrainConfig) -> int | None:
-    """A distilled run continued from an adapter distilled from the same teacher at the same weight (a distilled
+    """A distilled run continued from an adapter distilled from the same teacher, weight and loss (a distilled
     cooldown lengthened where its checkpoints are gone): the step that distillation began at, which that adapter
     records, else the step it was continued from itself (0: it distilled from its first step). None otherwise: the
     distillation, if any, begins at this run's first step. The same teacher: the same folder or Hub id, or one of the
@@ -597,7 +597,11 @@ def _distill_from(config: TrainConfig) -> int | None:
     held = adapter_meta(config.continue_adapter)
     options = held.training_config.get("options") or {}
     names = {os.path.basename(os.path.normpath(str(t))) for t in (options.get("distill_teacher") or "", teacher)}
-    if len(names) != 1 or options.get("distill_weight") != config.options.distill_weight:
+    same_term = (options.get("distill_weight"), options.get("distill_loss", "listwise")) == (
+        config.options.distill_weight,
+        config.options.distill_loss,
+    )
+    if len(names) != 1 or not same_term:
         return None
     return held.distill_start or 0
 

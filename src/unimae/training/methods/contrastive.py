@@ -19,7 +19,8 @@ the training distribution).
 :class:`~unimae.losses.supervised_contrastive.ContrastiveObjective`); the dimensions are saved in the spec as well.
 ``--distill-teacher`` (a sentence-transformers model) adds in-batch distillation: each query's softmax over the
 batch's candidates also matches the teacher's (:mod:`unimae.losses.distillation`; this project's option, not the
-papers'), weighted by ``--distill-weight``.
+papers'), weighted by ``--distill-weight``; ``--distill-loss similarity`` matches the teacher's cosine of every pair of
+the batch's texts instead (Jasper and Stella's similarity loss).
 ``--lr-schedule linear|cosine`` decays ``--lr`` from step ``--lr-decay-from`` to 0 at ``--steps`` (constant by
 default, UniMAE App. C; the decay is this project's option, see :meth:`Contrastive.lr_lambda`).
 """
@@ -54,6 +55,7 @@ __all__ = ["Contrastive", "ContrastiveOptions", "load_pairs"]
 logger = logging.getLogger(__name__)
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+DISTILL_LOSSES = ("listwise", "similarity")
 
 
 @dataclass
@@ -171,6 +173,15 @@ class ContrastiveOptions(InfoNCEOptions):
         },
     )
     distill_weight: float = field(default=1.0, metadata={"help": "With --distill-teacher: the weight of its term."})
+    distill_loss: str = choice_field(
+        "listwise",
+        DISTILL_LOSSES,
+        "[decision] With --distill-teacher: 'listwise', each query's softmax over the batch's candidates matches the "
+        "teacher's (KL, at --distill-temperature); 'similarity', the student's cosine of every pair of the batch's "
+        "texts (queries, positives, negatives) matches the teacher's (mean squared difference; Jasper and Stella, "
+        "arXiv:2412.19048): graded similarities, including those of unrelated texts. Its term is much smaller than "
+        "the KL: weigh it accordingly (docs/methods.md).",
+    )
     distill_temperature: float = field(
         default=0.05,
         metadata={
@@ -234,9 +245,11 @@ class ContrastiveOptions(InfoNCEOptions):
             "--lm-data (without --lm-weight)": self.lm_data and not self.lm_weight,
             "--query-prompt-dropout (without --query-prompt)": self.query_prompt_dropout and not self.query_prompt,
             "--lr-decay-from (with --lr-schedule constant)": self.lr_decay_from and self.lr_schedule == "constant",
-            "--distill-weight / --distill-temperature (without --distill-teacher)": not self.distill_teacher
-            and (self.distill_weight, self.distill_temperature)
-            != (type(self).distill_weight, type(self).distill_temperature),
+            "--distill-weight/-temperature/-loss (without --distill-teacher)": not self.distill_teacher
+            and (self.distill_weight, self.distill_temperature, self.distill_loss)
+            != (type(self).distill_weight, type(self).distill_temperature, type(self).distill_loss),
+            "--distill-temperature (with --distill-loss similarity)": self.distill_loss == "similarity"
+            and self.distill_temperature != type(self).distill_temperature,
         }
         for option, ignored in unused.items():
             if ignored:
@@ -316,7 +329,9 @@ class Contrastive(Method):
         if o.dims:
             kwargs["matryoshka_dims"] = o.dims
         if o.distill_teacher:
-            kwargs.update(distill_weight=o.distill_weight, teacher_temperature=o.distill_temperature)
+            kwargs.update(
+                distill_weight=o.distill_weight, teacher_temperature=o.distill_temperature, distill_loss=o.distill_loss
+            )
         if o.grad_cache_chunk:
             return GradCacheContrastiveObjective(*args, chunk_size=o.grad_cache_chunk, **kwargs)
         return ContrastiveObjective(*args, **kwargs)
@@ -332,11 +347,20 @@ class Contrastive(Method):
             groups, candidates = torch.tensor(rows), torch.tensor(rows + negatives)
             extra["false_negatives"] = groups[:, None] == candidates[None, :]  # (B, B + K); diagonal kept by info_nce
         if self.options.distill_teacher:
-            documents = [r["positive"] for r in records] + [r["negative"] for r in records if r.get("negative")]
-            extra["teacher_scores"] = self.teacher.scores([r["query"] for r in records], documents)  # (B, B + K)
+            extra.update(self._teacher_targets(records))
         if self.options.lm_data and self.options.lm_weight:
             extra.update(self._lm_batch(indices))
         return pooled_batch(self.ctx.tokenizer, texts, self.config.max_length, self.embedding_spec(), **extra)
+
+    def _teacher_targets(self, records) -> dict[str, torch.Tensor]:
+        """The teacher's cosines of a batch's raw texts (no prompts): ``teacher_scores`` (B, B + K), queries against
+        candidates, for ``--distill-loss listwise``; ``teacher_similarities`` (2B + K, 2B + K), every text against
+        every other in the batch's row order, for ``similarity``."""
+        queries = [r["query"] for r in records]
+        documents = [r["positive"] for r in records] + [r["negative"] for r in records if r.get("negative")]
+        if self.options.distill_loss == "similarity":
+            return {"teacher_similarities": self.teacher.similarities([*queries, *documents])}
+        return {"teacher_scores": self.teacher.scores(queries, documents)}
 
     def _lm_batch(self, indices) -> dict[str, torch.Tensor]:
         """``--lm-data`` rows of a batch: ``lm_input_ids``, ``lm_attention_mask`` (N, T), N = ``--lm-texts`` (or the
