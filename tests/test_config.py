@@ -190,7 +190,7 @@ def test_an_old_flat_config_json_loads_and_resumes_as_the_nested_one(tmp_path):
     flat, ours = flat_values(FLAT_CONFIG), old.flat()
     # fields added since: resume counts them at their defaults for the old run (trainer._changed_settings)
     added = {"init_lora", "device", "query_prompt_dropout", "lr_schedule", "lr_decay_from"}
-    added |= {"distill_teacher", "distill_weight", "distill_temperature", "lm_data"}
+    added |= {"distill_teacher", "distill_weight", "distill_temperature", "distill_loss", "lm_data"}
     assert set(ours) - set(flat) == added
     assert all(flat[k] == v for k, v in ours.items() if k in flat), "what resume compares: the same values"
 
