@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "adapter": args.adapter,
         "teacher": Path(args.teacher).name,
         "cpu": cpu_model(),
-        "command": "python benchmarks/distill_balance.py " + " ".join(argv or []),
+        "command": "python benchmarks/distill_balance.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(
         json.dumps({k: summary[k] for k in ("weight_equal_to_listwise", "weight_equal_to_info_nce", "listwise_weight")})
