@@ -47,8 +47,9 @@
 # SUP_BATCH (256), SUP_CHUNK (gradient-cache chunk, 32), SUP_MAX_LENGTH (128), SUP_WEIGHTS (sqrt), TEMPERATURE,
 # SUP_FLAGS (more flags), CURVE_EVERY (80), CURVE_MAX_LENGTH (256), STOP_EARLY (1), TASKS (dev; "" skips the
 # evaluations), RAG_QUESTIONS (20; 0 skips), GENERATION (1; 0 skips), RELEASE_ONLY (1: only write the release),
-# COOLDOWN (0), COOLDOWN_SCHEDULE (linear), DISTILL_WEIGHT (0), DISTILL_LOSS (listwise), TEACHER. The release card's command repeats MODEL and
-# each of the training and curve settings the caller set (the cooldown's: read from the released adapter).
+# COOLDOWN (0), COOLDOWN_SCHEDULE (linear), DISTILL_WEIGHT (0), DISTILL_LOSS (listwise), TEACHER. The release card's
+# command repeats MODEL and each of the training and curve settings the caller set (the cooldown's: read from the
+# released adapter).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) fails the recipe too
 chosen=()  # the recipe settings the caller set, which the release card's command repeats (COOLDOWN: see release)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+DISTILL_LOSSES = ("listwise", "similarity")  # in_batch_distillation, similarity_distillation
 MASKED = -1e4  # a logit whose probability is 0 in float32, finite so that 0 x (masked - masked) stays 0
 
 

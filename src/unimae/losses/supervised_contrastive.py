@@ -13,7 +13,7 @@ from torch import nn
 
 from unimae.embedding.pooling import last_hidden, pool
 from unimae.losses.cross_entropy import logit_softcap
-from unimae.losses.distillation import in_batch_distillation, similarity_distillation
+from unimae.losses.distillation import DISTILL_LOSSES, in_batch_distillation, similarity_distillation
 from unimae.losses.info_nce import info_nce
 from unimae.losses.next_token import NextTokenLoss
 from unimae.losses.objective import Objective
@@ -73,8 +73,8 @@ class ContrastiveObjective(Objective):
             raise ValueError(f"--matryoshka-dims {list(matryoshka_dims)}: each must be at most the model's size {full}")
         self.dims = tuple(sorted({*matryoshka_dims, full}))  # M: the prefix sizes, the full vector last
         self.distill_weight, self.teacher_temperature = distill_weight, teacher_temperature
-        if distill_loss not in ("listwise", "similarity"):
-            raise ValueError(f"distill_loss must be 'listwise' or 'similarity', got {distill_loss!r}")
+        if distill_loss not in DISTILL_LOSSES:
+            raise ValueError(f"distill_loss must be one of {DISTILL_LOSSES}, got {distill_loss!r}")
         self.distill_loss = distill_loss
 
     def loss(self, z: torch.Tensor, batch) -> torch.Tensor:

@@ -40,6 +40,7 @@ from unimae.data.corpus import load_texts
 from unimae.data.pairs import Mixture, SourceBatchOrder, load_mixture, load_pairs, pair_groups
 from unimae.embedding.spec import EmbeddingSpec
 from unimae.embedding.tokenization import encode_with_eos
+from unimae.losses.distillation import DISTILL_LOSSES
 from unimae.losses.grad_cache import GradCacheContrastiveObjective
 from unimae.losses.supervised_contrastive import ContrastiveObjective
 from unimae.runtime.precision import resolve_device
@@ -55,7 +56,6 @@ __all__ = ["Contrastive", "ContrastiveOptions", "load_pairs"]
 logger = logging.getLogger(__name__)
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-DISTILL_LOSSES = ("listwise", "similarity")
 
 
 @dataclass
