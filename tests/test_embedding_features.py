@@ -220,6 +220,15 @@ def test_continue_adapter_picks_up_its_weights_step_and_data_order(tiny_model_di
                 continue_adapter=str(Path(tmp_path / "a" / "adapter")),
             )
         )
+    # another mix of the same sources (an annealing stage) continues; another file would not
+    mix = f"{data},{_write(tmp_path / 'more.jsonl', _records(24))}"
+    train(_config(tiny, mix, tmp_path / "m1", steps=2, data_weights="1,1"))
+    annealed = tmp_path / "m2"
+    train(_config(tiny, mix, annealed, steps=3, data_weights="0,1", continue_adapter=str(tmp_path / "m1/adapter")))
+    assert adapter_meta(annealed / "adapter").training_config["options"]["data_weights"] == "0,1"
+    assert [r["step"] for r in read_log(annealed)] == [3]
+    with pytest.raises(ValueError, match="differ from its run.*data"):
+        train(_config(tiny, data, tmp_path / "m3", steps=3, continue_adapter=str(tmp_path / "m1/adapter")))
     source = str(tmp_path / "a" / "adapter")  # trained on the base alone, its LoRA started fresh
     with pytest.raises(ValueError, match="is not the stage --continue-adapter"):
         train(

@@ -176,11 +176,12 @@ _RESUME_MAY_CHANGE = {
 }  # fmt: skip
 # ...and a run continued from an adapter (``--continue-adapter``): its optimizer starts afresh anyway, so its learning
 # rate and the contrastive schedule may change too (e.g. a decay over the new steps), and so may a distillation
-# teacher's term added to the loss of the new steps, and the next-token term's weight and source (``--lm-data``), not
-# how many texts it reads.
+# teacher's term added to the loss of the new steps, the next-token term's weight and source (``--lm-data``), not
+# how many texts it reads, and the sources' sampling weights (``--data-weights``: an annealing stage on another mix of
+# the same files; the batch order then departs from the earlier run's).
 _CONTINUE_MAY_CHANGE = _RESUME_MAY_CHANGE | {
     "continue_adapter", "init_adapter", "init_lora", "lr", "lr_schedule", "lr_decay_from",
-    "distill_teacher", "distill_weight", "distill_temperature", "distill_loss", "lm_weight", "lm_data",
+    "distill_teacher", "distill_weight", "distill_temperature", "distill_loss", "lm_weight", "lm_data", "data_weights",
 }  # fmt: skip
 
 
